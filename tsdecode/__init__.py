@@ -1,0 +1,12 @@
+"""tsdecode: paged-KV decode attention in Triton with FlashInfer's PrimTS API."""
+
+from .api import BatchDecodePagedTSWrapper, batch_decode_with_paged_kv_cache
+from .configs import KernelConfig, SelectedConfig
+
+__all__ = [
+    "BatchDecodePagedTSWrapper",
+    "KernelConfig",
+    "SelectedConfig",
+    "batch_decode_with_paged_kv_cache",
+]
+__version__ = "0.1.0"

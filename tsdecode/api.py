@@ -1,0 +1,347 @@
+"""Public API: FlashInfer PrimTS-compatible paged decode (one-shot op and reusable wrapper).
+
+Shapes (B requests, Hq/Hkv query/KV heads, D head dim, P page size, C block-table columns):
+q and the output are [B, Hq, D] (SQ=1), [B, SQ, Hq, D] (fixed SQ>1) or [total_q, Hq, D]
+(packed, with qo_indptr int32 [B+1]); the cache is [num_pages, 2, Hkv, P, D] or (K, V) each
+[num_pages, Hkv, P, D]; block_tables int32 [B, C]; seq_lens_kv int32 [B].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from . import validation as V
+from .configs import KernelConfig, ProblemShape, SelectedConfig, select_config
+from .kernels.decode import LaunchGeometry, allocate_scratch, interpreter_active, launch_decode
+
+__all__ = ["batch_decode_with_paged_kv_cache", "BatchDecodePagedTSWrapper"]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything ``run`` needs, published at once so a failed re-plan keeps the old plan."""
+
+    geometry: LaunchGeometry
+    selected: SelectedConfig
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    o_dtype: torch.dtype
+    q_shape: tuple[int, ...]
+    device: torch.device
+    block_tables: torch.Tensor  # the caller's tensor: live page IDs are read every run
+    seq_lens: torch.Tensor  # the caller's tensor (bind_seq_lens) or a plan-owned copy
+    qo_indptr: torch.Tensor | None  # plan-owned copy
+    scratch: tuple[torch.Tensor, torch.Tensor] | None
+    max_page_id: int  # largest page ID validated at plan time
+
+
+def _plan_host_values(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor | None,
+    page_size: int, max_kv_len: int | None, bind_seq_lens: bool,
+) -> tuple[list[int], list[int] | None, int, int]:
+    """One device-to-host read: (seq_lens, qo_indptr, min page ID, max page ID).
+
+    Page IDs are reduced on the device over the columns the plan covers: each row's live pages,
+    or the first ceil(max_kv_len / P) columns when lengths are bound.
+    """
+    batch, cols = block_tables.shape
+    lens = seq_lens.to(torch.int64).clamp(0, cols * page_size)
+    if bind_seq_lens:
+        cover = lens.max() if max_kv_len is None else torch.tensor(
+            min(max_kv_len, cols * page_size), device=lens.device
+        )
+        pages_per_row = ((cover + page_size - 1) // page_size).expand(batch)
+    else:
+        pages_per_row = (lens + page_size - 1) // page_size
+    live = torch.arange(cols, device=block_tables.device)[None, :] < pages_per_row[:, None]
+    table = block_tables[:, :cols].to(torch.int64)
+    big = torch.iinfo(torch.int64).max
+    min_page = torch.where(live, table, big).min().reshape(1)
+    max_page = torch.where(live, table, -1).max().reshape(1)
+    parts = [seq_lens.to(torch.int64), min_page, max_page]
+    if qo_indptr is not None:
+        parts.append(qo_indptr.to(torch.int64))
+    host = torch.cat(parts).tolist()  # the plan's single host sync
+    lens_host = host[:batch]
+    min_id, max_id = host[batch], host[batch + 1]
+    indptr_host = host[batch + 2 :] if qo_indptr is not None else None
+    return lens_host, indptr_host, min_id, max_id
+
+
+class BatchDecodePagedTSWrapper:
+    """Plan once, run many; ``run`` is CUDA-graph capturable after ``plan``.
+
+    ``plan`` validates metadata (one host read), picks the kernel config (``config`` argument,
+    tuned table or heuristic), allocates scratch and compiles the kernels. ``run`` does no host
+    sync and allocates nothing when ``out`` is given. One wrapper owns one scratch buffer: at most
+    one run or replay in flight at a time.
+    """
+
+    def __init__(self, kv_layout: Literal["HND"] = "HND") -> None:
+        V.validate_kv_layout(kv_layout)
+        self.kv_layout = kv_layout
+        self._plan: _Plan | None = None
+
+    @property
+    def config(self) -> SelectedConfig:
+        """The planned ``SelectedConfig``: ``.kernel_config`` and where it came from."""
+        if self._plan is None:
+            raise RuntimeError("BatchDecodePagedTSWrapper.config is available after plan()")
+        return self._plan.selected
+
+    def plan(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens_kv: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        seq_len_q: int = 1,
+        qo_indptr: torch.Tensor | None = None,
+        max_seq_len_q: int | None = None,
+        q_data_type: torch.dtype = torch.float16,
+        kv_data_type: torch.dtype | None = None,
+        o_data_type: torch.dtype | None = None,
+        mask_type: Literal["dense", "causal"] = "dense",
+        window_left: int = -1,
+        max_kv_len: int | None = None,
+        bind_seq_lens: bool = False,
+        config: KernelConfig | None = None,
+    ) -> None:
+        """Validate metadata and fix the launch. See the module docstring for shapes.
+
+        bind_seq_lens=False copies seq_lens_kv (fixed lengths). bind_seq_lens=True keeps the
+        caller's tensor; every run reads its live values, which must stay in [1, max_kv_len]
+        (default: the planned maximum). block_tables is retained either way and page IDs may be
+        remapped in place between runs (new IDs are the caller's responsibility: run cannot check
+        them without a sync).
+        """
+        plan = _make_plan(
+            block_tables, seq_lens_kv, num_qo_heads, num_kv_heads, head_dim, page_size,
+            seq_len_q=seq_len_q, qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+            mask_type=mask_type, window_left=window_left, max_kv_len=max_kv_len,
+            bind_seq_lens=bind_seq_lens, config=config, num_pages=None,
+        )
+        if plan.device.type == "cuda":
+            _warm_up(plan)
+        self._plan = plan
+
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        *,
+        bmm1_scale: float | None = None,
+        bmm2_scale: float = 1.0,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention output with q's shape; no host sync, no allocation when ``out`` is given."""
+        if self._plan is None:
+            raise RuntimeError("BatchDecodePagedTSWrapper.run() called before plan()")
+        return _run_plan(self._plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out)
+
+
+
+def _make_plan(
+    block_tables, seq_lens_kv, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+    seq_len_q, qo_indptr, max_seq_len_q, q_data_type, kv_data_type, o_data_type, mask_type,
+    window_left, max_kv_len, bind_seq_lens, config, num_pages: int | None,
+) -> _Plan:
+    """Validate plan arguments (one host read) and build the plan; num_pages, when the cache is
+    known (one-shot op), also bounds the page IDs."""
+    V.validate_heads(num_qo_heads, num_kv_heads, head_dim, page_size)
+    causal, window_left = V.validate_mask(mask_type, window_left)
+    q_dtype, kv_dtype, o_dtype = V.resolve_dtypes(q_data_type, kv_data_type, o_data_type)
+    block_tables, seq_lens_kv = V.validate_block_tables(block_tables, seq_lens_kv)
+    device = block_tables.device
+    V.validate_execution_device(device, interpreter_active())
+    batch, cols = block_tables.shape
+    packed, sq_cap = V.resolve_query_mode(seq_len_q, qo_indptr, max_seq_len_q)
+    if packed:
+        qo_indptr = V.validate_qo_indptr(qo_indptr, batch, device)
+    if not isinstance(bind_seq_lens, bool):
+        raise TypeError(f"bind_seq_lens must be a bool, got {type(bind_seq_lens).__name__}")
+    if max_kv_len is not None:
+        V.require_int("max_kv_len", max_kv_len, minimum=1)
+        if max_kv_len > cols * page_size:
+            raise ValueError(
+                f"max_kv_len={max_kv_len} exceeds the block-table capacity "
+                f"C*P = {cols}*{page_size} = {cols * page_size}"
+            )
+
+    lens, indptr, min_page, max_page = _plan_host_values(
+        block_tables, seq_lens_kv, qo_indptr, page_size, max_kv_len, bind_seq_lens
+    )
+    capacity = cols * page_size
+    for b, n in enumerate(lens):
+        if not 1 <= n <= capacity:
+            raise ValueError(
+                f"seq_lens_kv[{b}]={n} must be in [1, C*P] = [1, {capacity}] "
+                f"(block_tables has C={cols} columns of page_size {page_size})"
+            )
+    longest = max(lens)
+    if max_kv_len is None:
+        max_kv_len = longest
+    elif longest > max_kv_len:
+        raise ValueError(f"seq_lens_kv holds {longest}, more than max_kv_len={max_kv_len}")
+    if min_page < 0:
+        raise ValueError(f"block_tables holds a negative page ID ({min_page}) in a live column")
+    if num_pages is not None and max_page >= num_pages:
+        raise ValueError(
+            f"block_tables holds page ID {max_page} but paged_kv_cache has only {num_pages} pages"
+        )
+    if packed:
+        total_q, longest_q = V.validate_qo_indptr_values(indptr)
+        if sq_cap is None:
+            sq_cap = longest_q
+        elif longest_q > sq_cap:
+            raise ValueError(
+                f"max_seq_len_q={sq_cap} is smaller than the longest packed request "
+                f"({longest_q} query tokens)"
+            )
+        q_lens = [b - a for a, b in zip(indptr, indptr[1:])]
+    else:
+        total_q = batch * sq_cap
+        q_lens = [sq_cap] * batch
+    if causal:
+        for b, (nq, nk) in enumerate(zip(q_lens, lens)):
+            if nq > nk:
+                raise ValueError(
+                    f"causal mask needs query length <= K/V length; request {b} has "
+                    f"{nq} query tokens and seq_lens_kv[{b}]={nk}"
+                )
+
+    geometry = LaunchGeometry(
+        batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, seq_len_q=sq_cap, packed=packed,
+        causal=causal, window_left=window_left, max_kv_len=max_kv_len, total_q=total_q,
+    )
+    shape = ProblemShape(
+        batch_size=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, page_size=page_size, max_kv_len=max_kv_len, max_seq_len_q=sq_cap,
+        packed=packed, mask_kind="windowed" if window_left >= 0 else mask_type,
+        q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
+    )
+    selected = select_config(shape, device, config)
+    return _Plan(
+        geometry=geometry, selected=selected, q_dtype=q_dtype, kv_dtype=kv_dtype,
+        o_dtype=o_dtype,
+        q_shape=V.expected_q_shape(packed, batch, sq_cap, total_q, num_qo_heads, head_dim),
+        device=device, block_tables=block_tables,
+        seq_lens=seq_lens_kv if bind_seq_lens else seq_lens_kv.clone(),
+        qo_indptr=qo_indptr.clone() if packed else None,
+        scratch=allocate_scratch(geometry, selected.kernel_config, device),
+        max_page_id=max_page,
+    )
+
+
+def _run_plan(plan: _Plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out) -> torch.Tensor:
+    """Validate run arguments against the plan (host metadata only) and launch."""
+    g = plan.geometry
+    q = V.validate_query(q, plan.q_shape, plan.q_dtype, plan.device)
+    k_cache, v_cache = V.split_cache(paged_kv_cache)
+    V.validate_cache_against_plan(
+        k_cache, g.num_kv_heads, g.page_size, g.head_dim, plan.kv_dtype, plan.device,
+        plan.max_page_id,
+    )
+    bmm1, bmm2 = V.validate_scales(bmm1_scale, bmm2_scale, g.head_dim)
+    if out is None:
+        out = torch.empty(plan.q_shape, dtype=plan.o_dtype, device=plan.device)
+    else:
+        inputs = {"q": q, "paged_kv_cache K": k_cache, "paged_kv_cache V": v_cache,
+                  "block_tables": plan.block_tables, "seq_lens_kv": plan.seq_lens}
+        out = V.validate_out(out, plan.q_shape, plan.o_dtype, plan.device, inputs)
+    launch_decode(
+        q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.qo_indptr, out,
+        plan.scratch, g, plan.selected.kernel_config, bmm1, bmm2,
+    )
+    return out
+
+
+def _warm_up(plan: _Plan) -> None:
+    """Compile the plan's kernels before any capture: launch them once on dummy tensors with the
+    plan's dtypes and constexprs, a one-request grid and zero K/V length (no K/V is read)."""
+    g = plan.geometry
+    dev = plan.device
+    geometry = replace(g, batch_size=1, total_q=g.seq_len_q)
+    q = torch.zeros(
+        V.expected_q_shape(g.packed, 1, g.seq_len_q, g.seq_len_q, g.num_qo_heads, g.head_dim),
+        dtype=plan.q_dtype, device=dev,
+    )
+    cache = torch.zeros((1, 2, g.num_kv_heads, g.page_size, g.head_dim), dtype=plan.kv_dtype, device=dev)
+    out = torch.empty(q.shape, dtype=plan.o_dtype, device=dev)
+    seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
+    indptr = torch.tensor([0, g.seq_len_q], dtype=torch.int32, device=dev) if g.packed else None
+    config = plan.selected.kernel_config
+    scratch = allocate_scratch(geometry, config, dev)
+    launch_decode(
+        q, cache[:, 0], cache[:, 1], plan.block_tables, seq_lens, indptr, out, scratch,
+        geometry, config, 1.0, 1.0,
+    )
+
+
+def batch_decode_with_paged_kv_cache(
+    q: torch.Tensor,
+    paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    block_tables: torch.Tensor,
+    seq_lens_kv: torch.Tensor,
+    *,
+    seq_len_q: int = 1,
+    qo_indptr: torch.Tensor | None = None,
+    max_seq_len_q: int | None = None,
+    mask_type: Literal["dense", "causal"] = "dense",
+    window_left: int = -1,
+    kv_layout: Literal["HND"] = "HND",
+    bmm1_scale: float | None = None,
+    bmm2_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """One-shot fixed or packed-Q paged decode (FlashInfer PrimTS semantics).
+
+    Reads seq_lens_kv (and qo_indptr) on the host to plan exact bounds, so it cannot be captured
+    in a CUDA graph (it raises RuntimeError during capture): plan a BatchDecodePagedTSWrapper
+    before capture instead. Output dtype: out_dtype, else out.dtype, else q.dtype.
+    """
+    q = V.require_tensor("q", q)
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "batch_decode_with_paged_kv_cache reads seq_lens_kv on the host and cannot be captured "
+            "in a CUDA graph; plan a BatchDecodePagedTSWrapper before capture and capture run()"
+        )
+    V.validate_kv_layout(kv_layout)
+    if out is not None:
+        V.require_tensor("out", out)
+        if out_dtype is not None and out_dtype != out.dtype:
+            raise TypeError(f"out_dtype={out_dtype} disagrees with out.dtype={out.dtype}")
+        out_dtype = out.dtype
+    k_cache, _ = V.split_cache(paged_kv_cache)
+    num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
+    if q.dim() not in (3, 4):
+        raise ValueError(
+            f"q must be [B, Hq, D], [B, SQ, Hq, D] or packed [total_q, Hq, D], got shape {list(q.shape)}"
+        )
+    if q.dim() == 4 and qo_indptr is not None:
+        raise ValueError(f"packed q (with qo_indptr) must be 3-D [total_q, Hq, D], got {list(q.shape)}")
+    if q.dim() == 4 and seq_len_q != q.shape[1]:
+        raise ValueError(f"q is [B, SQ, Hq, D] with SQ={q.shape[1]} but seq_len_q={seq_len_q}")
+    if q.dim() == 3 and qo_indptr is None and seq_len_q != 1:
+        raise ValueError(
+            f"seq_len_q={seq_len_q} > 1 needs q as [B, SQ, Hq, D] (token-major), got {list(q.shape)}"
+        )
+    if q.shape[-1] != head_dim:
+        raise ValueError(f"q head dim {q.shape[-1]} differs from paged_kv_cache head dim {head_dim}")
+    plan = _make_plan(
+        block_tables, seq_lens_kv, q.shape[-2], num_kv_heads, head_dim, page_size,
+        seq_len_q=seq_len_q, qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q,
+        q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=out_dtype,
+        mask_type=mask_type, window_left=window_left, max_kv_len=None, bind_seq_lens=False,
+        config=None, num_pages=num_pages,
+    )
+    return _run_plan(plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out)

@@ -1,0 +1,257 @@
+"""Kernel configurations: the tunable space, its validity rules and the heuristic default.
+
+A ``KernelConfig`` fixes every compile-time choice of the split-KV decode kernel that does not
+change its answer. ``ProblemShape`` is everything config selection may look at. The runtime picks
+a config in ``select_config`` (explicit config, then tuned tables, then ``heuristic_config``);
+``fit_config`` makes any config valid for a shape (clamping, never failing) and records why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+# The config space. Every combination that passes ``KernelConfig.validate`` gives the same answer
+# (up to floating-point reassociation); the tuner searches exactly these sets.
+BLOCK_N_CHOICES = (16, 32, 64, 128, 256)  # K/V tokens per tile
+BLOCK_M_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)  # packed query rows (G heads x SQ tokens) per program
+NUM_WARPS_CHOICES = (1, 2, 4, 8)
+NUM_STAGES_CHOICES = (1, 2, 3, 4)
+MAX_NUM_KV_SPLITS = 1024
+# block_m below this uses FMA reductions instead of tl.dot (tl.dot needs M >= 16).
+DOT_MIN_BLOCK_M = 16
+# The FMA path materialises a [block_m, block_n, block_d] product; cap it so it stays in registers.
+FMA_MAX_TILE_ELEMENTS = 32768
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Compile-time parameters of the split-KV decode kernel.
+
+    block_n:       K/V tokens per tile (power of two, 16..256).
+    block_m:       packed query rows per program; rows are (query token, query head of one KV
+                   head) pairs, G * SQ of them per request and KV head. block_m >= 16 uses tl.dot
+                   (rows padded), smaller uses FMA reductions. If block_m < G * SQ the K/V of a
+                   head is read ceil(G * SQ / block_m) times.
+    num_kv_splits: programs that share one request's K/V sequence (split-KV / flash-decoding);
+                   > 1 adds a merge kernel and fp32 scratch of num_kv_splits partial outputs.
+    num_warps:     warps per program.
+    num_stages:    software-pipelining depth of the K/V loop.
+    """
+
+    block_n: int = 64
+    block_m: int = 16
+    num_kv_splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def validate(self) -> None:
+        """Raise ValueError if a field lies outside the config space."""
+        for name, choices in (
+            ("block_n", BLOCK_N_CHOICES),
+            ("block_m", BLOCK_M_CHOICES),
+            ("num_warps", NUM_WARPS_CHOICES),
+            ("num_stages", NUM_STAGES_CHOICES),
+        ):
+            value = getattr(self, name)
+            if type(value) is not int or value not in choices:
+                raise ValueError(f"KernelConfig.{name} must be one of {choices}, got {value!r}")
+        if type(self.num_kv_splits) is not int or not 1 <= self.num_kv_splits <= MAX_NUM_KV_SPLITS:
+            raise ValueError(
+                f"KernelConfig.num_kv_splits must be an int in [1, {MAX_NUM_KV_SPLITS}], "
+                f"got {self.num_kv_splits!r}"
+            )
+
+    @property
+    def uses_dot(self) -> bool:
+        return self.block_m >= DOT_MIN_BLOCK_M
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "KernelConfig":
+        """Build and validate a config from a mapping with exactly the dataclass fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, Mapping) or set(data) != names:
+            raise ValueError(f"a KernelConfig needs exactly the keys {sorted(names)}, got {data!r}")
+        config = cls(**{k: data[k] for k in names})
+        config.validate()
+        return config
+
+
+MASK_KINDS = ("dense", "causal", "windowed")
+
+
+@dataclass(frozen=True)
+class ProblemShape:
+    """What config selection may look at (host values only; fixed at plan time).
+
+    max_kv_len is the longest K/V length the plan covers (tokens); max_seq_len_q the query
+    tokens per request (fixed SQ, or the packed capacity).
+    """
+
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    max_kv_len: int
+    max_seq_len_q: int = 1
+    packed: bool = False
+    mask_kind: str = "dense"
+    q_dtype: torch.dtype = torch.bfloat16
+    kv_dtype: torch.dtype = torch.bfloat16
+    o_dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def rows_per_kv_head(self) -> int:
+        """Packed query rows one request and KV head contributes: G * SQ."""
+        return self.group_size * self.max_seq_len_q
+
+    @property
+    def block_d(self) -> int:
+        return next_power_of_2(self.head_dim)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def num_kv_tiles(max_kv_len: int, block_n: int) -> int:
+    return -(-max_kv_len // block_n)
+
+
+def fit_config(config: KernelConfig, shape: ProblemShape) -> tuple[KernelConfig, tuple[str, ...]]:
+    """Return a config valid for ``shape`` close to ``config``, and what was changed and why.
+
+    Validity per shape: block_m no larger than the padded row count needs; the FMA path's tile
+    fits FMA_MAX_TILE_ELEMENTS; num_kv_splits no larger than the K/V tiles of the longest
+    request (more splits would only add empty programs).
+    """
+    config.validate()
+    changes: list[str] = []
+    rows = shape.rows_per_kv_head
+    block_m = config.block_m
+    if block_m > DOT_MIN_BLOCK_M and block_m > next_power_of_2(rows):
+        new = max(DOT_MIN_BLOCK_M, next_power_of_2(rows))
+        changes.append(f"block_m {block_m} -> {new}: only {rows} query rows per KV head")
+        block_m = new
+    if block_m < DOT_MIN_BLOCK_M:
+        while block_m > 1 and block_m * config.block_n * shape.block_d > FMA_MAX_TILE_ELEMENTS:
+            block_m //= 2
+        if block_m != config.block_m:
+            changes.append(
+                f"block_m {config.block_m} -> {block_m}: FMA tile block_m*block_n*block_d "
+                f"must stay <= {FMA_MAX_TILE_ELEMENTS}"
+            )
+    block_n = config.block_n
+    if block_m < DOT_MIN_BLOCK_M:
+        while block_m * block_n * shape.block_d > FMA_MAX_TILE_ELEMENTS and block_n > 16:
+            block_n //= 2
+        if block_n != config.block_n:
+            changes.append(
+                f"block_n {config.block_n} -> {block_n}: FMA tile block_m*block_n*block_d "
+                f"must stay <= {FMA_MAX_TILE_ELEMENTS}"
+            )
+    max_splits = num_kv_tiles(shape.max_kv_len, block_n)
+    num_kv_splits = config.num_kv_splits
+    if num_kv_splits > max_splits:
+        changes.append(
+            f"num_kv_splits {num_kv_splits} -> {max_splits}: max_kv_len {shape.max_kv_len} "
+            f"has only {max_splits} tiles of {block_n}"
+        )
+        num_kv_splits = max_splits
+    fitted = dataclasses.replace(
+        config, block_m=block_m, block_n=block_n, num_kv_splits=num_kv_splits
+    )
+    return fitted, tuple(changes)
+
+
+def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
+    """A good default from SM count, B*Hkv, L, G and D (no measurement).
+
+    Rows: all G*SQ query rows of a KV head in one program when they fit 64 (K/V read once), padded
+    to 16 for tl.dot; a single row (MHA, SQ=1) uses the FMA path. Splits: aim at one balanced
+    wave of about 4 programs per SM (what a 4-warp program of this kernel keeps resident), but
+    keep each split at least 256 tokens long so the merge stays cheap.
+    """
+    rows = shape.rows_per_kv_head
+    if rows == 1:
+        block_m, block_n = 1, 64
+    elif rows < DOT_MIN_BLOCK_M and shape.head_dim <= 64:
+        block_m, block_n = next_power_of_2(rows), 32
+    else:
+        block_m = min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
+        block_n = 64 if shape.head_dim <= 128 else 32
+    m_blocks = -(-rows // block_m)
+    base_programs = shape.batch_size * shape.num_kv_heads * m_blocks
+    target_programs = 4 * max(1, num_sms)
+    num_kv_splits = 1
+    if base_programs < target_programs:
+        num_kv_splits = max(1, target_programs // base_programs)
+        num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 256))
+    config = KernelConfig(
+        block_n=block_n, block_m=block_m, num_kv_splits=num_kv_splits, num_warps=4, num_stages=2
+    )
+    return fit_config(config, shape)[0]
+
+
+@dataclass(frozen=True)
+class SelectedConfig:
+    """The config a plan uses and where it came from.
+
+    source: "explicit" (plan(config=...)), "table" (a tuned table entry) or "heuristic".
+    table_path / bucket: the table file and (batch_size, kv_len) bucket for source "table".
+    adjustments: what ``fit_config`` changed to make the config valid for this shape, and any
+    note on why a table was not used.
+    """
+
+    kernel_config: KernelConfig
+    source: str
+    table_path: str | None = None
+    bucket: tuple[int, int] | None = None
+    adjustments: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        where = self.source
+        if self.table_path:
+            where += f" {self.table_path} bucket(batch_size, kv_len)={self.bucket}"
+        extra = f"; adjusted: {'; '.join(self.adjustments)}" if self.adjustments else ""
+        return f"{self.kernel_config} from {where}{extra}"
+
+
+def device_num_sms(device: torch.device) -> int:
+    """SM count of a CUDA device; a nominal 132 (H100/H200) for CPU/interpreter runs."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def select_config(
+    shape: ProblemShape, device: torch.device, explicit: KernelConfig | None = None
+) -> SelectedConfig:
+    """Explicit config, else the tuned table entry for this GPU and shape, else the heuristic."""
+    if explicit is not None:
+        if not isinstance(explicit, KernelConfig):
+            raise TypeError(f"config must be a tsdecode.KernelConfig, got {type(explicit).__name__}")
+        fitted, changes = fit_config(explicit, shape)
+        return SelectedConfig(fitted, "explicit", adjustments=changes)
+    from . import tables  # local import: tables imports this module
+
+    hit = tables.lookup(shape, device)
+    if hit is not None:
+        fitted, changes = fit_config(hit.kernel_config, shape)
+        return SelectedConfig(
+            fitted, "table", table_path=hit.table_path, bucket=hit.bucket,
+            adjustments=hit.notes + changes,
+        )
+    return SelectedConfig(heuristic_config(shape, device_num_sms(device)), "heuristic")

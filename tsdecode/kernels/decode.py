@@ -1,0 +1,383 @@
+"""Split-KV paged decode attention: the Triton kernels and their launcher.
+
+Math (per request b, query row i, visible keys j; fp32 accumulation):
+    out[i] = bmm2_scale * sum_j softmax_j(bmm1_scale * q_i . k_j) v_j
+
+Pass 1 (``_split_kv_kernel``): one program per (request, KV head, block of query rows, KV
+split). The program's rows are the G query heads of its KV head times the request's query
+tokens ("packed rows", row r = token * G + head), so each K/V byte is read once per KV head, not
+once per query head. It walks its split's K/V tiles through the block table with an online
+softmax (base 2, scale folded in) and writes either the final output (one split) or a
+normalised partial output and its log2-sum-exp to fp32 scratch.
+
+Pass 2 (``_merge_kernel``, only when num_kv_splits > 1): one program per (query token, query
+head) combines the splits' partials weighted by exp2(lse - max).
+
+The grid depends only on plan-time values (batch size, heads, packed-row capacity, split count),
+so a captured graph replays with live lengths: each request's visible tile range is divided
+evenly among the splits at run time, and splits with no tiles write lse = -inf.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..configs import KernelConfig
+
+LOG2E = 1.4426950408889634
+# Triton's interpreter computes tl.dot on bf16 (and fp16) inputs wrongly; upcast there only.
+_INTERPRET_ENV = "TRITON_INTERPRET"
+
+
+def interpreter_active() -> bool:
+    return os.environ.get(_INTERPRET_ENV, "0") not in ("", "0")
+
+
+@triton.jit
+def _split_kv_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qo_indptr_ptr,
+    out_ptr, partial_o_ptr, partial_lse_ptr,
+    # scalars
+    qk_scale_log2,  # bmm1_scale * log2(e)
+    bmm2_scale,
+    window_left,
+    max_kv_len,  # live lengths are clamped to this (plan-validated block-table columns)
+    num_kv_heads,
+    # strides (elements); q/out token strides apply within a request, batch strides across
+    stride_q_batch, stride_q_tok, stride_q_head,
+    stride_o_batch, stride_o_tok, stride_o_head,
+    stride_k_page, stride_k_head,
+    stride_v_page, stride_v_head,
+    stride_bt_row,
+    stride_po_tok, stride_po_head, stride_po_split,
+    stride_lse_tok, stride_lse_head,
+    # meta-parameters
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SEQ_LEN_Q: tl.constexpr,  # fixed SQ, or packed capacity (max_seq_len_q)
+    PACKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    NUM_M_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    m_block = pid % NUM_M_BLOCKS
+    bh = pid // NUM_M_BLOCKS
+    kv_head = bh % num_kv_heads
+    b = bh // num_kv_heads
+
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv_len)
+    if PACKED:
+        qo_start = tl.load(qo_indptr_ptr + b)
+        qo_len = tl.load(qo_indptr_ptr + b + 1) - qo_start
+        tok_base = qo_start  # global token index of this request's first query token
+    else:
+        qo_start = 0
+        qo_len = SEQ_LEN_Q
+        tok_base = b * SEQ_LEN_Q
+
+    # Packed rows of this program: row = token * G + head-in-group.
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP_SIZE
+    head = kv_head * GROUP_SIZE + rows % GROUP_SIZE
+    row_valid = (rows < GROUP_SIZE * SEQ_LEN_Q) & (tok < qo_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+
+    # Visible keys of each row: [row_lo, row_end).
+    if CAUSAL:
+        row_end = kv_len - qo_len + tok + 1
+    else:
+        row_end = tl.zeros([BLOCK_M], dtype=tl.int32) + kv_len
+    if WINDOW:
+        row_lo = tl.maximum(row_end - window_left - 1, 0)
+    else:
+        row_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+    # Key range of the whole program: the first row's window starts earliest, keys end at kv_len.
+    first_tok = tl.minimum((m_block * BLOCK_M) // GROUP_SIZE, qo_len - 1)
+    if WINDOW:  # validation allows a window only with the causal mask
+        prog_lo = tl.maximum(kv_len - qo_len + first_tok - window_left, 0)
+    else:
+        prog_lo = 0
+    tile_lo = prog_lo // BLOCK_N
+    tile_hi = tl.cdiv(kv_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(tile_hi - tile_lo, NUM_KV_SPLITS)
+    tile_begin = tile_lo + split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tile_hi)
+
+    q_ptrs = (
+        q_ptr + b * stride_q_batch + (qo_start + tok)[:, None] * stride_q_tok
+        + head[:, None] * stride_q_head + offs_d[None, :]
+    )
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(COMPUTE_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt_row
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
+    offs_n = tl.arange(0, BLOCK_N)
+    for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
+        n = tile * BLOCK_N + offs_n
+        n_valid = n < kv_len
+        if PAGE_SIZE % BLOCK_N == 0:
+            # The whole tile lies in one page: one page-ID load, one contiguous K/V tile.
+            page = tl.load(bt_row + (tile * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+            tok_off = ((tile * BLOCK_N) % PAGE_SIZE + offs_n) * HEAD_DIM
+            k_off = page * stride_k_page + tok_off
+            v_off = page * stride_v_page + tok_off
+        else:
+            page = tl.load(bt_row + n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+            tok_off = (n % PAGE_SIZE) * HEAD_DIM
+            k_off = page * stride_k_page + tok_off
+            v_off = page * stride_v_page + tok_off
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(COMPUTE_DTYPE)
+            v = v.to(COMPUTE_DTYPE)
+
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+        else:
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = s * qk_scale_log2
+        visible = (n[None, :] < row_end[:, None]) & (n[None, :] >= row_lo[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; subtract 0 instead to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            if DOT_FP32:
+                pv = tl.dot(p, v, out_dtype=tl.float32)
+            else:
+                pv = tl.dot(p.to(COMPUTE_DTYPE), v, out_dtype=tl.float32)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    out_mask = row_valid[:, None] & d_valid[None, :]
+    if NUM_KV_SPLITS == 1:
+        o_ptrs = (
+            out_ptr + b * stride_o_batch + (qo_start + tok)[:, None] * stride_o_tok
+            + head[:, None] * stride_o_head + offs_d[None, :]
+        )
+        tl.store(o_ptrs, (o * bmm2_scale).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        gtok = (tok_base + tok).to(tl.int64)
+        po_ptrs = (
+            partial_o_ptr + gtok[:, None] * stride_po_tok + head[:, None] * stride_po_head
+            + split * stride_po_split + offs_d[None, :]
+        )
+        tl.store(po_ptrs, o, mask=out_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        lse_ptrs = partial_lse_ptr + gtok * stride_lse_tok + head * stride_lse_head + split
+        tl.store(lse_ptrs, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_kernel(
+    partial_o_ptr, partial_lse_ptr, out_ptr,
+    qo_indptr_ptr,
+    bmm2_scale,
+    stride_po_tok, stride_po_head, stride_po_split,
+    stride_lse_tok, stride_lse_head,
+    stride_o_batch, stride_o_tok, stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SEQ_LEN_Q: tl.constexpr,
+    PACKED: tl.constexpr,
+    NUM_KV_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """out[tok, head] = bmm2_scale * sum_s w_s o_s / sum_s w_s, w_s = exp2(lse_s - max lse)."""
+    gtok = tl.program_id(0)
+    head = tl.program_id(1)
+    if PACKED:
+        # Output of a packed query is [total_q, Hq, D]; its batch stride is unused.
+        b = 0
+        tok = gtok
+    else:
+        b = gtok // SEQ_LEN_Q
+        tok = gtok % SEQ_LEN_Q
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    lse_row = partial_lse_ptr + gtok.to(tl.int64) * stride_lse_tok + head * stride_lse_head
+    po_row = partial_o_ptr + gtok.to(tl.int64) * stride_po_tok + head * stride_po_head
+
+    m_run = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), axis=0)
+    w_sum = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in tl.range(0, NUM_KV_SPLITS, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_valid = offs_s < NUM_KV_SPLITS
+        lse = tl.load(lse_row + offs_s, mask=s_valid, other=float("-inf"))
+        live = lse > float("-inf")
+        m_new = tl.maximum(m_run, tl.max(lse, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.where(live, tl.exp2(lse - m_safe), 0.0)
+        o = tl.load(
+            po_row + offs_s[:, None] * stride_po_split + offs_d[None, :],
+            mask=live[:, None] & d_valid[None, :], other=0.0,
+        )
+        alpha = tl.exp2(m_run - m_safe)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        w_sum = w_sum * alpha + tl.sum(w, axis=0)
+        m_run = m_new
+    # A row with no visible key (only possible if a bound length breaks the causal contract)
+    # gets zeros rather than NaN.
+    res = tl.where(w_sum > 0.0, acc / tl.where(w_sum > 0.0, w_sum, 1.0), 0.0) * bmm2_scale
+    o_ptrs = out_ptr + b * stride_o_batch + tok * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=d_valid)
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def compute_dtype(q_dtype: torch.dtype) -> tl.dtype:
+    """dtype tl.dot operands are converted to: q's, or fp16 for an fp8 query (e4m3 is exact in
+    fp16, and fp16 keeps more mantissa than bf16 for the probabilities in P @ V)."""
+    return _TL_DTYPES.get(q_dtype, tl.float16)
+
+
+@dataclass(frozen=True)
+class LaunchGeometry:
+    """Plan-time constants of one launch (everything that fixes the grid and the constexprs)."""
+
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    seq_len_q: int  # fixed SQ, or packed capacity
+    packed: bool
+    causal: bool
+    window_left: int
+    max_kv_len: int
+    total_q: int  # query tokens in all requests (B * SQ fixed; qo_indptr[-1] packed)
+
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+
+def allocate_scratch(
+    geometry: LaunchGeometry, config: KernelConfig, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """fp32 partial outputs [total_q, Hq, S, D] and log2-sum-exps [total_q, Hq, S]; None if S=1."""
+    splits = config.num_kv_splits
+    if splits == 1:
+        return None
+    g = geometry
+    partial_o = torch.empty(
+        (g.total_q, g.num_qo_heads, splits, g.head_dim), dtype=torch.float32, device=device
+    )
+    partial_lse = torch.empty((g.total_q, g.num_qo_heads, splits), dtype=torch.float32, device=device)
+    return partial_o, partial_lse
+
+
+def _q_strides(t: torch.Tensor, packed: bool) -> tuple[int, int, int]:
+    """(batch, token, head) strides of a q/out tensor in any of the three query layouts."""
+    if t.dim() == 4:  # [B, SQ, H, D]
+        return t.stride(0), t.stride(1), t.stride(2)
+    if packed:  # [total_q, H, D]
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), 0, t.stride(1)  # [B, H, D], SQ = 1
+
+
+def launch_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor | None,
+    out: torch.Tensor,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None,
+    geometry: LaunchGeometry,
+    config: KernelConfig,
+    bmm1_scale: float,
+    bmm2_scale: float,
+) -> None:
+    """Launch pass 1 (and the merge when config.num_kv_splits > 1). No host sync, no allocation.
+
+    q/out: [B, Hq, D], [B, SQ, Hq, D] or packed [total_q, Hq, D]; k_cache/v_cache: views
+    [num_pages, Hkv, P, D] with compact inner strides (the page stride may be padded).
+    """
+    g = geometry
+    rows = g.group_size * g.seq_len_q
+    num_m_blocks = -(-rows // config.block_m)
+    block_d = triton.next_power_of_2(g.head_dim)
+    interp = interpreter_active()
+    sq_b, sq_t, sq_h = _q_strides(q, g.packed)
+    so_b, so_t, so_h = _q_strides(out, g.packed)
+    splits = config.num_kv_splits
+    if splits > 1:
+        partial_o, partial_lse = scratch
+        po_strides = (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2))
+        lse_strides = (partial_lse.stride(0), partial_lse.stride(1))
+    else:
+        partial_o = partial_lse = out  # unused by the kernel when NUM_KV_SPLITS == 1
+        po_strides, lse_strides = (0, 0, 0), (0, 0)
+    indptr = qo_indptr if qo_indptr is not None else seq_lens  # unused unless PACKED
+    grid = (g.batch_size * g.num_kv_heads * num_m_blocks, splits)
+    _split_kv_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, indptr,
+        out, partial_o, partial_lse,
+        float(bmm1_scale) * LOG2E, float(bmm2_scale), int(g.window_left), int(g.max_kv_len),
+        g.num_kv_heads,
+        sq_b, sq_t, sq_h,
+        so_b, so_t, so_h,
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        block_tables.stride(0),
+        *po_strides, *lse_strides,
+        GROUP_SIZE=g.group_size, HEAD_DIM=g.head_dim, BLOCK_D=block_d, PAGE_SIZE=g.page_size,
+        SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed, CAUSAL=g.causal, WINDOW=g.window_left >= 0,
+        NUM_M_BLOCKS=num_m_blocks, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        NUM_KV_SPLITS=splits, USE_DOT=config.uses_dot, DOT_FP32=interp,
+        COMPUTE_DTYPE=compute_dtype(q.dtype), NUM_STAGES=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits > 1:
+        _merge_kernel[(g.total_q, g.num_qo_heads)](
+            partial_o, partial_lse, out, indptr, float(bmm2_scale),
+            *po_strides, *lse_strides,
+            so_b, so_t, so_h,
+            HEAD_DIM=g.head_dim, BLOCK_D=block_d, SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed,
+            NUM_KV_SPLITS=splits, BLOCK_S=min(triton.next_power_of_2(splits), 16),
+            num_warps=4 if block_d >= 128 else 2,
+        )
