@@ -1,0 +1,190 @@
+"""Measurement: random inputs for a ShapeSpec, bytes moved, CUDA-graph timing, copy bandwidth.
+
+The timing method is the one of ``shared/anchors/h200_peers.md`` so numbers compare with the
+peers': R back-to-back calls, each on its own inputs over disjoint pages of one pool
+(R = ceil(256 MiB / K/V bytes), at most 64), captured in one CUDA graph and replayed for about
+80 ms; the reported time is the median replay time / R. This keeps K/V out of L2 and hides launch
+gaps the way a graphed decode step does. Without CUDA (interpreter) times are wall-clock and
+meaningless; callers must say so.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .grids import DTYPES, ShapeSpec
+
+L2_FLUSH_BYTES = 256 * 2**20
+MAX_COPIES = 64
+
+
+@dataclass
+class DecodeInputs:
+    """One input set: q, cache [num_pages, 2, Hkv, P, D], block_tables [B, C], seq_lens [B],
+    qo_indptr [B+1] (packed only) and a preallocated output."""
+
+    q: torch.Tensor
+    cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    qo_indptr: torch.Tensor | None
+    out: torch.Tensor
+
+
+def seq_lens_for(spec: ShapeSpec, generator: torch.Generator) -> list[int]:
+    if not spec.ragged:
+        return [spec.kv_len] * spec.batch_size
+    lo = max(1, spec.kv_len // 2)
+    lens = torch.randint(lo, spec.kv_len + 1, (spec.batch_size,), generator=generator).tolist()
+    lens[int(torch.randint(0, spec.batch_size, (1,), generator=generator))] = spec.kv_len
+    if spec.mask_type == "causal":
+        lens = [max(n, spec.seq_len_q) for n in lens]
+    return lens
+
+
+def q_lens_for(spec: ShapeSpec, generator: torch.Generator) -> list[int]:
+    if not spec.packed:
+        return [spec.seq_len_q] * spec.batch_size
+    return torch.randint(1, spec.seq_len_q + 1, (spec.batch_size,), generator=generator).tolist()
+
+
+def kv_bytes(spec: ShapeSpec, seq_lens: Sequence[int] | None = None) -> int:
+    """K and V bytes read once: 2 * sum(L) * Hkv * D * element size."""
+    total = sum(seq_lens) if seq_lens is not None else spec.batch_size * spec.kv_len
+    elem = DTYPES[spec.kv_dtype].itemsize
+    return 2 * total * spec.num_kv_heads * spec.head_dim * elem
+
+
+def bytes_moved(spec: ShapeSpec, seq_lens: Sequence[int] | None = None, total_q: int | None = None) -> int:
+    """The floor's bytes: K/V read once plus q read and the output written once."""
+    tq = total_q if total_q is not None else spec.batch_size * spec.seq_len_q
+    qo = tq * spec.num_qo_heads * spec.head_dim * (DTYPES[spec.q_dtype].itemsize + DTYPES[spec.o_dtype].itemsize)
+    return kv_bytes(spec, seq_lens) + qo
+
+
+def num_copies(spec: ShapeSpec) -> int:
+    """Input sets to rotate through so K/V stays out of L2 (the anchors' R)."""
+    return max(1, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / max(1, kv_bytes(spec)))))
+
+
+def make_inputs(spec: ShapeSpec, device: torch.device | str, copies: int = 1, seed: int = 0) -> list[DecodeInputs]:
+    """``copies`` input sets over disjoint, randomly permuted pages of one cache pool.
+
+    Data is random normal (never zeros); all sets share the lengths drawn for the spec.
+    """
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    lens = seq_lens_for(spec, gen)
+    q_lens = q_lens_for(spec, gen)
+    p = spec.page_size
+    pages = [-(-n // p) for n in lens]
+    cols = max(pages)
+    per_copy = sum(pages)
+    pool_pages = per_copy * copies
+    kv_dtype = DTYPES[spec.kv_dtype]
+    cache = torch.empty((pool_pages, 2, spec.num_kv_heads, p, spec.head_dim), dtype=kv_dtype, device=device)
+    # Fill in chunks so the fp32 temporary stays small for large pools.
+    chunk = max(1, (64 * 2**20) // max(1, cache[0].numel() * 4))
+    for start in range(0, pool_pages, chunk):
+        stop = min(pool_pages, start + chunk)
+        cache[start:stop] = torch.randn(cache[start:stop].shape, device=device, dtype=torch.float32).to(kv_dtype)
+    perm = torch.randperm(pool_pages, generator=gen).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    total_q = sum(q_lens)
+    q_dtype, o_dtype = DTYPES[spec.q_dtype], DTYPES[spec.o_dtype]
+    if spec.packed:
+        q_shape = (total_q, spec.num_qo_heads, spec.head_dim)
+        indptr = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    elif spec.seq_len_q == 1:
+        q_shape, indptr = (spec.batch_size, spec.num_qo_heads, spec.head_dim), None
+    else:
+        q_shape, indptr = (spec.batch_size, spec.seq_len_q, spec.num_qo_heads, spec.head_dim), None
+    sets = []
+    for c in range(copies):
+        ids = perm[c * per_copy : (c + 1) * per_copy].tolist()
+        table = torch.zeros((spec.batch_size, cols), dtype=torch.int32)
+        at = 0
+        for b, n in enumerate(pages):
+            table[b, :n] = torch.tensor(ids[at : at + n], dtype=torch.int32)
+            at += n
+        q = torch.randn(q_shape, generator=gen).to(q_dtype).to(device)
+        sets.append(DecodeInputs(
+            q=q, cache=cache, block_tables=table.to(device), seq_lens=seq_lens,
+            qo_indptr=indptr, out=torch.empty(q_shape, dtype=o_dtype, device=device),
+        ))
+    return sets
+
+
+def graph_time_us(calls: Sequence[Callable[[], object]], replay_ms: float = 80.0, min_replays: int = 5) -> float:
+    """Median time of one call (us): all ``calls`` captured back to back in one CUDA graph,
+    replayed for about ``replay_ms``; median replay time / len(calls). Calls are warmed first."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    one_ms = max(start.elapsed_time(end), 1e-3)
+    replays = max(min_replays, int(replay_ms / one_ms))
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) * 1000.0 / len(calls)
+
+
+def wall_time_us(call: Callable[[], object], repeats: int = 1) -> float:
+    """Wall-clock median (us); for CPU/interpreter runs, where times mean nothing."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def copy_bandwidth_gbs(device: torch.device | str = "cuda", nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy bandwidth in GB/s (1e9 B/s), counting bytes read plus written."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    us = graph_time_us([lambda: dst.copy_(src)], replay_ms=200.0)
+    del src, dst
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN/inf anywhere gives inf."""
+    o = out.to(torch.float64).cpu()
+    r = ref.to(torch.float64).cpu()
+    if not torch.isfinite(o).all():
+        return math.inf
+    return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+def tolerance(spec: ShapeSpec) -> float:
+    """Acceptable relative error vs the float64 reference for the spec's dtypes."""
+    if "float8_e4m3fn" in (spec.q_dtype, spec.o_dtype):
+        return 6e-2
+    return 2e-2
