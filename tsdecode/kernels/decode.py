@@ -49,6 +49,7 @@ def _split_kv_kernel(
     window_left,
     max_kv_len,  # live lengths are clamped to this (plan-validated block-table columns)
     num_kv_heads,
+    num_kv_splits,  # runtime value: changing it does not recompile
     # strides (elements); q/out token strides apply within a request, batch strides across
     stride_q_batch, stride_q_tok, stride_q_head,
     stride_o_batch, stride_o_tok, stride_o_head,
@@ -69,7 +70,7 @@ def _split_kv_kernel(
     NUM_M_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,  # num_kv_splits == 1: write the final output, no merge
     USE_DOT: tl.constexpr,
     DOT_FP32: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
@@ -117,7 +118,7 @@ def _split_kv_kernel(
         prog_lo = 0
     tile_lo = prog_lo // BLOCK_N
     tile_hi = tl.cdiv(kv_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(tile_hi - tile_lo, NUM_KV_SPLITS)
+    tiles_per_split = tl.cdiv(tile_hi - tile_lo, num_kv_splits)
     tile_begin = tile_lo + split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, tile_hi)
 
@@ -190,7 +191,7 @@ def _split_kv_kernel(
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     out_mask = row_valid[:, None] & d_valid[None, :]
-    if NUM_KV_SPLITS == 1:
+    if DIRECT_OUT:
         o_ptrs = (
             out_ptr + b * stride_o_batch + (qo_start + tok)[:, None] * stride_o_tok
             + head[:, None] * stride_o_head + offs_d[None, :]
@@ -211,8 +212,8 @@ def _split_kv_kernel(
 @triton.jit
 def _merge_kernel(
     partial_o_ptr, partial_lse_ptr, out_ptr,
-    qo_indptr_ptr,
     bmm2_scale,
+    num_kv_splits,
     stride_po_tok, stride_po_head, stride_po_split,
     stride_lse_tok, stride_lse_head,
     stride_o_batch, stride_o_tok, stride_o_head,
@@ -220,7 +221,6 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr,
     SEQ_LEN_Q: tl.constexpr,
     PACKED: tl.constexpr,
-    NUM_KV_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     """out[tok, head] = bmm2_scale * sum_s w_s o_s / sum_s w_s, w_s = exp2(lse_s - max lse)."""
@@ -241,9 +241,9 @@ def _merge_kernel(
     m_run = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), axis=0)
     w_sum = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), axis=0)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s0 in tl.range(0, NUM_KV_SPLITS, BLOCK_S):
+    for s0 in tl.range(0, num_kv_splits, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
-        s_valid = offs_s < NUM_KV_SPLITS
+        s_valid = offs_s < num_kv_splits
         lse = tl.load(lse_row + offs_s, mask=s_valid, other=float("-inf"))
         live = lse > float("-inf")
         m_new = tl.maximum(m_run, tl.max(lse, axis=0))
@@ -350,7 +350,7 @@ def launch_decode(
         po_strides = (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2))
         lse_strides = (partial_lse.stride(0), partial_lse.stride(1))
     else:
-        partial_o = partial_lse = out  # unused by the kernel when NUM_KV_SPLITS == 1
+        partial_o = partial_lse = out  # unused by the kernel when DIRECT_OUT
         po_strides, lse_strides = (0, 0, 0), (0, 0)
     indptr = qo_indptr if qo_indptr is not None else seq_lens  # unused unless PACKED
     grid = (g.batch_size * g.num_kv_heads * num_m_blocks, splits)
@@ -358,7 +358,7 @@ def launch_decode(
         q, k_cache, v_cache, block_tables, seq_lens, indptr,
         out, partial_o, partial_lse,
         float(bmm1_scale) * LOG2E, float(bmm2_scale), int(g.window_left), int(g.max_kv_len),
-        g.num_kv_heads,
+        g.num_kv_heads, splits,
         sq_b, sq_t, sq_h,
         so_b, so_t, so_h,
         k_cache.stride(0), k_cache.stride(1),
@@ -368,16 +368,16 @@ def launch_decode(
         GROUP_SIZE=g.group_size, HEAD_DIM=g.head_dim, BLOCK_D=block_d, PAGE_SIZE=g.page_size,
         SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed, CAUSAL=g.causal, WINDOW=g.window_left >= 0,
         NUM_M_BLOCKS=num_m_blocks, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        NUM_KV_SPLITS=splits, USE_DOT=config.uses_dot, DOT_FP32=interp,
+        DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot, DOT_FP32=interp,
         COMPUTE_DTYPE=compute_dtype(q.dtype), NUM_STAGES=config.num_stages,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         _merge_kernel[(g.total_q, g.num_qo_heads)](
-            partial_o, partial_lse, out, indptr, float(bmm2_scale),
+            partial_o, partial_lse, out, float(bmm2_scale), splits,
             *po_strides, *lse_strides,
             so_b, so_t, so_h,
             HEAD_DIM=g.head_dim, BLOCK_D=block_d, SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed,
-            NUM_KV_SPLITS=splits, BLOCK_S=min(triton.next_power_of_2(splits), 16),
+            BLOCK_S=min(triton.next_power_of_2(splits), 16),
             num_warps=4 if block_d >= 128 else 2,
         )

@@ -1,0 +1,193 @@
+"""Benchmark tsdecode's decode op with the anchors' CUDA-graph method; print a table.
+
+Suites:
+  llama    Llama-3-8B-like shapes (Hq=32, Hkv=8, D=128, bf16, P=16; B in {1,16,128};
+           L in {1k, 8k, 32k}): time and fraction of the copy bandwidth measured in this run.
+  targets  the H200 target table of the performance issue: measured value vs target per row.
+Options: --sweep times a set of split counts / tiles / warps per shape and reports the best
+(calibrates the heuristic); --config-source picks table/heuristic configs; --csv writes rows.
+
+Usage: python scripts/bench_decode.py --suite llama [--sweep] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+
+import tsdecode  # noqa: E402
+from tsdecode.configs import KernelConfig, device_num_sms, fit_config, heuristic_config  # noqa: E402
+from tuner.grids import ShapeSpec  # noqa: E402
+from tuner.measure import (  # noqa: E402
+    bytes_moved, copy_bandwidth_gbs, graph_time_us, make_inputs, num_copies, relative_error,
+)
+from tsdecode.reference import reference_decode  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A row of the target table: pass if the metric meets the bound."""
+
+    regime: str
+    spec: ShapeSpec
+    metric: str  # "pct_copy" (>= bound) or "us" (<= bound)
+    bound: float
+
+
+def _s(b, l, hq=32, hkv=8, **kw) -> ShapeSpec:
+    return ShapeSpec(batch_size=b, kv_len=l, num_qo_heads=hq, num_kv_heads=hkv, **kw)
+
+
+def llama_suite() -> list[ShapeSpec]:
+    return [_s(b, l) for b in (1, 16, 128) for l in (1024, 8192, 32768)]
+
+
+def target_suite() -> list[Target]:
+    k = 1024
+    large = [_s(128, 8 * k), _s(128, 32 * k), _s(256, 4 * k), _s(32, 8 * k, 32, 32),
+             _s(32, 32 * k, 32, 32), _s(128, 8 * k, 32, 32)]
+    rows = [Target("large", s, "pct_copy", 100.0) for s in large]
+    rows += [Target("mid batch GQA", _s(b, l, hq, 8), "pct_copy", 95.0)
+             for hq in (32, 64) for b in (8, 32) for l in (8 * k, 32 * k)]
+    rows += [Target("short context", s, "pct_copy", 90.0)
+             for s in (_s(32, k), _s(128, k), _s(8, k, 32, 32))]
+    rows += [Target("short small", _s(8, k), "us", 13.0)]
+    rows += [Target("single long", _s(1, 128 * k), "pct_copy", 95.0),
+             Target("single long", _s(1, 32 * k), "pct_copy", 88.0)]
+    rows += [Target("single short", _s(1, k), "us", 4.5), Target("single short", _s(1, 8 * k), "us", 12.5)]
+    rows += [Target("fp8 cache", dataclasses.replace(t.spec, kv_dtype="float8_e4m3fn"), "pct_copy", 95.0)
+             for t in rows[:6]]
+    # Geometry variants: within 10% of the P=16/D=128 bandwidth at the same bytes (B=32, 256 MiB+).
+    base = _s(32, 32 * k)
+    rows += [Target("geometry (vs P16/D128)", s, "rel_bw", 0.9) for s in (
+        _s(32, 32 * k, 64, 4), _s(32, 64 * k, 32, 8, head_dim=64), _s(32, 16 * k, 32, 8, head_dim=256),
+        _s(32, 32 * k, page_size=1), _s(32, 32 * k, page_size=32), _s(32, 32 * k, page_size=64),
+    )]
+    rows.insert(len(rows) - 6, Target("geometry base", base, "pct_copy", 0.0))
+    return rows
+
+
+def sweep_configs(spec: ShapeSpec, num_sms: int) -> list[KernelConfig]:
+    shape = spec.to_problem_shape()
+    h = heuristic_config(shape, num_sms)
+    configs = {h}
+    for block_n in (32, 64, 128):
+        for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+            for warps in (4, 8):
+                c = dataclasses.replace(h, block_n=block_n, num_kv_splits=splits, num_warps=warps)
+                configs.add(fit_config(c, shape)[0])
+    return sorted(configs, key=lambda c: (c.block_n, c.num_warps, c.num_kv_splits))
+
+
+def time_config(spec: ShapeSpec, sets, config: KernelConfig | None) -> tuple[float, tsdecode.SelectedConfig]:
+    wrappers = []
+    for s in sets:
+        w = tsdecode.BatchDecodePagedTSWrapper()
+        w.plan(s.block_tables, s.seq_lens, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+               spec.page_size, q_data_type=s.q.dtype, kv_data_type=s.cache.dtype,
+               o_data_type=s.out.dtype, config=config)
+        wrappers.append(w)
+    calls = [lambda w=w, s=s: w.run(s.q, s.cache, out=s.out) for w, s in zip(wrappers, sets)]
+    return graph_time_us(calls), wrappers[0].config
+
+
+def check_correct(spec: ShapeSpec, s, config) -> float:
+    """Relative error of the first two requests vs the float64 reference."""
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan(s.block_tables, s.seq_lens, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+           spec.page_size, q_data_type=s.q.dtype, kv_data_type=s.cache.dtype, o_data_type=s.out.dtype,
+           config=config)
+    s.out.fill_(float("nan"))
+    w.run(s.q, s.cache, out=s.out)
+    n = min(2, spec.batch_size)
+    ref = reference_decode(s.q[:n], s.cache, s.block_tables[:n], s.seq_lens[:n])
+    return relative_error(s.out[:n], ref)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", choices=("llama", "targets"), default="llama")
+    ap.add_argument("--sweep", action="store_true", help="also time a config sweep per shape")
+    ap.add_argument("--csv", default=None, help="write one row per (shape, config) here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_decode needs a CUDA GPU (timings in the interpreter mean nothing)", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    num_sms = device_num_sms(dev)
+    import triton
+
+    copy_gbs = copy_bandwidth_gbs(dev)
+    print(f"# {props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"# copy bandwidth (read+write) measured in this run: {copy_gbs:.0f} GB/s")
+    if args.suite == "llama":
+        targets = [Target("llama3-8b", s, "pct_copy", 0.0) for s in llama_suite()]
+    else:
+        targets = target_suite()
+    rows = []
+    base_bw = None
+    header = f"{'regime':24s} {'shape':40s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'target':>8s} {'ok':>4s}  config"
+    print(header)
+    for t in targets:
+        spec = t.spec
+        sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
+        nbytes = bytes_moved(spec)
+        us, selected = time_config(spec, sets, None)
+        err = check_correct(spec, sets[0], None)
+        gbs = nbytes / (us * 1e-6) / 1e9
+        pct = 100 * gbs / copy_gbs
+        best = (us, selected.kernel_config)
+        if args.sweep:
+            for cfg in sweep_configs(spec, num_sms):
+                try:
+                    us_c, _ = time_config(spec, sets, cfg)
+                except Exception as exc:  # a config that fails to compile/launch is reported, not fatal
+                    print(f"#   {cfg}: failed: {type(exc).__name__}: {str(exc)[:120]}")
+                    continue
+                rows.append(dict(spec=spec.name, config=str(cfg), us=us_c, pct_copy=100 * nbytes / (us_c * 1e-6) / 1e9 / copy_gbs, kind="sweep"))
+                if us_c < best[0]:
+                    best = (us_c, cfg)
+        if t.regime == "geometry base":
+            base_bw = gbs
+        if t.metric == "pct_copy":
+            ok = pct >= t.bound
+            target = f">={t.bound:.0f}%"
+        elif t.metric == "us":
+            ok = us <= t.bound
+            target = f"<={t.bound}us"
+        else:
+            rel = gbs / base_bw if base_bw else math.nan
+            ok = rel >= t.bound
+            target = f"{rel:.2f}x"
+        ok_s = "-" if t.bound == 0 else ("yes" if ok else "NO")
+        line = f"{t.regime:24s} {spec.name:40s} {us:9.1f} {gbs:7.0f} {pct:6.1f} {target:>8s} {ok_s:>4s}  {selected}"
+        if err > 2e-2:
+            line += f"  WRONG (rel err {err:.2e})"
+        if args.sweep:
+            line += f"\n{'':24s} best of sweep: {best[0]:.1f} us ({100 * nbytes / (best[0] * 1e-6) / 1e9 / copy_gbs:.1f}%) {best[1]}"
+        print(line, flush=True)
+        rows.append(dict(regime=t.regime, spec=spec.name, us=us, gbs=gbs, pct_copy=pct, target=target,
+                         ok=ok_s, rel_err=err, config=str(selected.kernel_config), source=selected.source,
+                         kind="default", copy_gbs=copy_gbs, best_us=best[0], best_config=str(best[1])))
+        del sets
+        torch.cuda.empty_cache()
+    if args.csv:
+        keys = sorted({k for r in rows for k in r})
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One GPU call: install carried wheels, run the GPU tests, then benchmarks (and optionally tuning
+# and a report). Usage: scripts/gpu_check.sh [STEP ...]   steps: tests bench targets sweep tune report
+# Default: tests bench. Logs and CSVs go to $OUT (the device tool's output folder) or ./gpu_out.
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+python3 - <<'PY'
+import torch, triton
+p = torch.cuda.get_device_properties(0)
+print(f"device: {p.name}, {p.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+PY
+steps=${*:-tests bench}
+rc=0
+for step in $steps; do
+  echo "=== $step ==="
+  case $step in
+    tests)   python3 -m pytest tests -q -x -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    bench)   python3 scripts/bench_decode.py --suite llama --csv "$OUT/bench_llama.csv" 2>&1 | tee "$OUT/bench_llama.log" ;;
+    sweep)   python3 scripts/bench_decode.py --suite llama --sweep --csv "$OUT/sweep_llama.csv" > "$OUT/sweep_llama.log" 2>&1; grep -v "^#   " "$OUT/sweep_llama.log" ;;
+    targets) python3 scripts/bench_decode.py --suite targets --csv "$OUT/targets.csv" 2>&1 | tee "$OUT/targets.log" ;;
+    tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "$OUT/tuned" 2>&1 | tee "$OUT/tune.log" | tail -40 ;;
+    report)  python3 -m tuner report ${REPORT_ARGS:---preset llama3-8b} --out "$OUT/report" 2>&1 | tee "$OUT/report.log" | tail -30 ;;
+    *) echo "unknown step $step"; rc=2 ;;
+  esac
+done
+exit $rc

@@ -1,0 +1,151 @@
+"""Kernel vs the float64 reference on random inputs, for every feature and their combinations.
+
+Runs on the GPU when there is one, else through Triton's interpreter on CPU tensors. The CPU run
+is a representative subset; ``test_gpu.py`` adds the full matrix and CUDA graphs on the GPU.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tsdecode import KernelConfig
+from cases import FP8, Case, DEVICE, build, check, plan_wrapper, poisoned_out, reference, run_and_check
+
+KC = KernelConfig
+BF16, FP16 = torch.bfloat16, torch.float16
+
+CASES = {
+    # SQ = 1, the heuristic config, lengths 1 / page boundary / not a multiple of the tile
+    "gqa-default": Case(lens=(1, 16, 33, 130)),
+    "gqa-fp16": Case(dtype=FP16, lens=(5, 64, 100)),
+    "mha-fma": Case(num_qo_heads=4, num_kv_heads=4, lens=(1, 31, 96)),
+    "mqa-g8": Case(num_qo_heads=8, num_kv_heads=1, lens=(7, 48)),
+    "g32-two-m-blocks": Case(num_qo_heads=32, num_kv_heads=1, lens=(9, 40), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
+    # explicit configs: tiles, FMA/dot, splits (more splits than tiles for short requests)
+    "splits-3-bn16": Case(lens=(1, 17, 100), config=KC(block_n=16, block_m=16, num_kv_splits=3)),
+    "splits-7-bn32": Case(lens=(2, 200, 45), config=KC(block_n=32, block_m=16, num_kv_splits=7)),
+    "fma-bm4": Case(lens=(3, 70), config=KC(block_n=16, block_m=4, num_kv_splits=2)),
+    "fma-bm2-g4": Case(num_qo_heads=8, num_kv_heads=2, lens=(19, 50), config=KC(block_n=32, block_m=2, num_kv_splits=1)),
+    "bn128-single-page": Case(page_size=128, lens=(1, 129, 300), config=KC(block_n=128, block_m=16, num_kv_splits=2)),
+    # page sizes (P < block_n spans pages per tile; P >= block_n stays in one page)
+    "page1": Case(page_size=1, lens=(1, 9, 23)),
+    "page3-odd": Case(page_size=3, lens=(4, 10)),
+    "page8": Case(page_size=8, lens=(8, 41)),
+    "page32": Case(page_size=32, lens=(32, 65), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
+    "page64": Case(page_size=64, lens=(64, 100)),
+    "page256": Case(page_size=256, lens=(1, 257)),
+    # head dims (96 and 192 are padded to the next power of two)
+    "d96": Case(head_dim=96, lens=(5, 37)),
+    "d128": Case(head_dim=128, lens=(5, 37)),
+    "d192": Case(head_dim=192, lens=(5, 37), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
+    "d256": Case(head_dim=256, num_qo_heads=2, num_kv_heads=1, lens=(3, 20)),
+    # fixed SQ > 1, masks, windows
+    "fixed-sq2-dense": Case(mode="fixed", seq_len_q=2, lens=(2, 40)),
+    "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70)),
+    "fixed-sq3-causal-window": Case(mode="fixed", seq_len_q=3, mask_type="causal", window_left=5, lens=(3, 40), config=KC(block_n=16, block_m=16, num_kv_splits=3)),
+    "window0": Case(mask_type="causal", window_left=0, lens=(1, 20)),
+    "sq1-causal-window": Case(mask_type="causal", window_left=16, lens=(1, 17, 90), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
+    # packed queries
+    "packed-dense": Case(mode="packed", q_lens=(1, 3, 2), lens=(5, 40, 17)),
+    "packed-causal-window": Case(mode="packed", q_lens=(2, 4, 1), mask_type="causal", window_left=7, lens=(4, 33, 18), config=KC(block_n=16, block_m=8, num_kv_splits=2)),
+    "packed-capacity": Case(mode="packed", q_lens=(1, 2), seq_len_q=5, lens=(3, 30)),
+    # cache layouts and tables
+    "separate-kv": Case(separate=True, lens=(7, 50)),
+    "padded-page-stride": Case(page_stride_pad=40, lens=(20, 33), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
+    "padded-table-shared-pages": Case(table_pad=5, shared_pages=True, lens=(18, 40, 3)),
+    # dtypes and scales
+    "fp8-cache-bf16-q": Case(kv_dtype=FP8, lens=(5, 40)),
+    "fp8-cache-fp16-q-fp32-out": Case(dtype=FP16, kv_dtype=FP8, out_dtype=torch.float32, lens=(9, 31)),
+    "fp8-q-fp8-out": Case(dtype=FP8, kv_dtype=FP8, lens=(6, 40)),
+    "fp8-q-bf16-out": Case(dtype=FP8, kv_dtype=FP8, out_dtype=BF16, lens=(6, 40)),
+    "bf16-fp32-out": Case(out_dtype=torch.float32, lens=(12, 30)),
+    "scales": Case(bmm1_scale=0.3, bmm2_scale=2.5, lens=(10, 44)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference(name):
+    run_and_check(CASES[name])
+
+
+@pytest.mark.parametrize("name", ["gqa-default", "packed-dense", "fixed-sq4-causal", "separate-kv", "fp8-cache-bf16-q"])
+def test_oneshot_matches_reference(name):
+    run_and_check(CASES[name], via="oneshot")
+
+
+def test_every_config_same_answer():
+    """Several configs on one problem agree with the reference (and so with each other)."""
+    base = Case(lens=(2, 45, 130), mode="fixed", seq_len_q=2, mask_type="causal")
+    for cfg in (
+        KC(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=1),
+        KC(block_n=32, block_m=32, num_kv_splits=4, num_warps=2, num_stages=3),
+        KC(block_n=64, block_m=4, num_kv_splits=5, num_warps=8, num_stages=4),
+        KC(block_n=16, block_m=1, num_kv_splits=9, num_warps=4, num_stages=2),
+    ):
+        run_and_check(dataclasses.replace(base, config=cfg))
+
+
+def test_bound_seq_lens_read_live_and_pages_remapped():
+    """bind_seq_lens=True: runs read the caller's live lengths; remapped page IDs are read live."""
+    case = Case(lens=(20, 64, 33), config=KC(block_n=16, block_m=16, num_kv_splits=3))
+    inp = build(case)
+    # bound lengths may grow to max_kv_len: the first 4 columns of every row must be valid pages
+    for b in range(3):
+        for col in range(4):
+            if inp.block_tables[b, col] >= inp.num_pages:
+                inp.block_tables[b, col] = (b * 4 + col) % inp.num_pages
+    w = plan_wrapper(case, inp, bind_seq_lens=True, max_kv_len=64)
+    check(case, w.run(inp.q, inp.cache), reference(case, inp))
+    inp.seq_lens.copy_(torch.tensor([64, 1, 17], dtype=torch.int32))
+    # remap: move request 1's live page and request 2's second page to other pool pages
+    k, v = inp.cache[:, 0], inp.cache[:, 1]
+    for b, col in ((1, 0), (2, 1)):
+        old = int(inp.block_tables[b, col])
+        new = (old + 1) % inp.num_pages
+        inp.cache[new].copy_(torch.randn(inp.cache[new].shape).to(inp.cache.dtype))
+        inp.block_tables[b, col] = new
+    ref = reference(case, inp)
+    out = poisoned_out(case, inp)
+    w.run(inp.q, inp.cache, out=out)
+    check(case, out, ref)
+
+
+def test_bound_plan_validates_columns_up_to_max_kv_len():
+    case = Case(lens=(20, 64, 33))
+    inp = build(case)  # rows 0 and 2 hold garbage past their live pages
+    w = plan_wrapper(case, inp, bind_seq_lens=True)
+    with pytest.raises(ValueError, match="page ID"):
+        w.run(inp.q, inp.cache)
+
+
+def test_unbound_seq_lens_are_copied_at_plan():
+    case = Case(lens=(20, 40))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    ref = reference(case, inp)
+    inp.seq_lens.fill_(1)  # changing the caller's tensor after plan has no effect
+    check(case, w.run(inp.q, inp.cache), ref)
+
+
+def test_failed_replan_keeps_previous_plan():
+    case = Case(lens=(10, 30))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    with pytest.raises(ValueError):
+        w.plan(inp.block_tables, inp.seq_lens, 8, 3, 64, 16)
+    check(case, w.run(inp.q, inp.cache), reference(case, inp))
+
+
+def test_config_reports_source_and_adjustments():
+    case = Case(lens=(10, 20), config=KC(block_n=16, block_m=64, num_kv_splits=100))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    sel = w.config
+    assert sel.source == "explicit"
+    assert sel.kernel_config.num_kv_splits == 2  # 20 tokens = 2 tiles of 16
+    assert sel.kernel_config.block_m == 16  # only 4 rows per KV head
+    assert any("num_kv_splits" in a for a in sel.adjustments)
+    check(case, w.run(inp.q, inp.cache), reference(case, inp))
+    w2 = plan_wrapper(dataclasses.replace(case, config=None), inp)
+    assert w2.config.source in ("heuristic", "table")

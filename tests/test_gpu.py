@@ -1,0 +1,147 @@
+"""GPU-only tests: the full feature matrix, extreme sizes and CUDA-graph capture/replay.
+
+Skipped without CUDA. Run on the GPU machine with ``scripts/gpu_check.sh``.
+"""
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+import torch
+
+import tsdecode
+from tsdecode import KernelConfig
+from tsdecode.configs import BLOCK_M_CHOICES, BLOCK_N_CHOICES
+from cases import FP8, Case, build, check, plan_wrapper, poisoned_out, reference, run_and_check
+
+pytestmark = pytest.mark.gpu
+BF16, FP16 = torch.bfloat16, torch.float16
+
+DTYPES = [  # (q, kv, out)
+    (BF16, BF16, None), (FP16, FP16, None), (BF16, FP8, None), (FP16, FP8, torch.float32),
+    (FP8, FP8, None), (FP8, FP8, BF16),
+]
+MODES = [  # (mode, seq_len_q, q_lens, mask, window)
+    ("sq1", 1, None, "dense", -1),
+    ("sq1", 1, None, "causal", 31),
+    ("fixed", 4, None, "dense", -1),
+    ("fixed", 4, None, "causal", -1),
+    ("packed", 1, (1, 5, 2, 3), "causal", 100),
+    ("packed", 8, (3, 1, 8, 2), "dense", -1),
+]
+GEOMS = [  # (Hq, Hkv, D, P)
+    (8, 8, 128, 16), (32, 8, 128, 16), (64, 4, 128, 16), (64, 2, 64, 32), (16, 2, 256, 1),
+    (32, 8, 96, 64), (28, 4, 192, 8), (32, 1, 128, 128), (8, 2, 128, 256),
+]
+
+
+def _matrix(n: int, seed: int = 1):
+    """n sampled combinations of dtype x query mode x geometry x random valid config."""
+    rng = random.Random(seed)
+    combos = list(itertools.product(range(len(DTYPES)), range(len(MODES)), range(len(GEOMS))))
+    rng.shuffle(combos)
+    out = []
+    for i, (di, mi, gi) in enumerate(combos[:n]):
+        q, kv, o = DTYPES[di]
+        mode, sq, q_lens, mask, window = MODES[mi]
+        hq, hkv, d, p = GEOMS[gi]
+        lens = [rng.choice([1, p, 2 * p + 1, 257, 1000, 4099]) for _ in range(4)]
+        lens = [max(n, sq, max(q_lens) if q_lens else 1) for n in lens]
+        config = None
+        if i % 3:
+            config = KernelConfig(
+                block_n=rng.choice(BLOCK_N_CHOICES[:4]), block_m=rng.choice(BLOCK_M_CHOICES[:7]),
+                num_kv_splits=rng.choice([1, 2, 3, 8, 33]), num_warps=rng.choice([2, 4, 8]),
+                num_stages=rng.choice([1, 2, 3]),
+            )
+        out.append(pytest.param(Case(
+            lens=tuple(lens), num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=p,
+            dtype=q, kv_dtype=kv, out_dtype=o, mode=mode, seq_len_q=sq, q_lens=q_lens,
+            mask_type=mask, window_left=window, config=config, seed=i,
+            separate=bool(i % 2), page_stride_pad=64 * (i % 3 == 1), table_pad=3 * (i % 4 == 2),
+            shared_pages=i % 5 == 0,
+        ), id=f"m{i}"))
+    return out
+
+
+@pytest.mark.parametrize("case", _matrix(160))
+def test_full_matrix(case):
+    run_and_check(case)
+
+
+def test_million_token_request():
+    """K/V length 2**20 (1,048,576 tokens) in one request, split across many programs."""
+    case = Case(lens=(1 << 20, 3), num_qo_heads=8, num_kv_heads=1, head_dim=64, page_size=256, extra_cols=0)
+    run_and_check(case)
+
+
+def test_batch_4096():
+    case = Case(lens=tuple(1 + (7 * i) % 61 for i in range(4096)), num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    run_and_check(case)
+
+
+def _graph(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("mode", ["sq1", "packed"])
+def test_cuda_graph_bound_lengths_and_remapped_pages(splits, mode):
+    case = Case(lens=(700, 64, 333, 1), num_qo_heads=32, num_kv_heads=8, head_dim=128, mode=mode,
+                q_lens=(1, 2, 1, 1) if mode == "packed" else None,
+                config=KernelConfig(block_n=64, block_m=16, num_kv_splits=splits), extra_cols=0)
+    inp = build(case)
+    max_kv_len = 700
+    cols = inp.block_tables.shape[1]
+    for b in range(4):  # every row valid up to max_kv_len
+        for c in range(cols):
+            if inp.block_tables[b, c] >= inp.num_pages:
+                inp.block_tables[b, c] = (b + c) % inp.num_pages
+    w = plan_wrapper(case, inp, bind_seq_lens=True, max_kv_len=max_kv_len)
+    out = poisoned_out(case, inp)
+    g = _graph(lambda: w.run(inp.q, inp.cache, out=out))
+    for step, new_lens in enumerate([(700, 64, 333, 1), (1, 700, 65, 129), (300, 2, 700, 16)]):
+        inp.seq_lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        if step == 2:  # remap two pages in place
+            for b, c in ((0, 3), (2, 10)):
+                new = (int(inp.block_tables[b, c]) + 7) % inp.num_pages
+                inp.block_tables[b, c] = new
+        inp.q.copy_(torch.randn(inp.q.shape).to(inp.q.dtype))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        check(case, out, reference(case, inp))
+
+
+def test_cuda_graph_fixed_lengths():
+    case = Case(lens=(100, 900, 17), num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    out = poisoned_out(case, inp)
+    g = _graph(lambda: w.run(inp.q, inp.cache, out=out))
+    inp.q.copy_(torch.randn(inp.q.shape).to(inp.q.dtype))
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    check(case, out, reference(case, inp))
+
+
+def test_oneshot_refuses_capture():
+    case = Case(lens=(10, 20))
+    inp = build(case)
+    tsdecode.batch_decode_with_paged_kv_cache(inp.q, inp.cache, inp.block_tables, inp.seq_lens)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="CUDA graph"):
+            with torch.cuda.graph(g):
+                tsdecode.batch_decode_with_paged_kv_cache(inp.q, inp.cache, inp.block_tables, inp.seq_lens)
