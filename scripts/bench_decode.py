@@ -117,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", choices=("llama", "targets"), default="llama")
     ap.add_argument("--sweep", action="store_true", help="also time a config sweep per shape")
     ap.add_argument("--csv", default=None, help="write one row per (shape, config) here")
+    ap.add_argument("--only", default=None, help="run only shapes whose name contains this text")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU (timings in the interpreter mean nothing)", file=sys.stderr)
@@ -127,8 +128,16 @@ def main(argv=None) -> int:
     import triton
 
     copy_gbs = copy_bandwidth_gbs(dev)
-    print(f"# {props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"# copy bandwidth (read+write) measured in this run: {copy_gbs:.0f} GB/s")
+    src = torch.empty(2**29, dtype=torch.float32, device=dev).uniform_()
+    dst = torch.empty_like(src)
+    graph_copy_gbs = 2 * src.numel() * 4 / (graph_time_us([lambda: dst.copy_(src)]) * 1e-6) / 1e9
+    del src, dst
+    from tsdecode.kernels.decode import pdl_enabled
+
+    print(f"# {props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
+          f"PDL {'on' if pdl_enabled(dev) else 'off'}")
+    print(f"# copy bandwidth (read+write) measured in this run: {copy_gbs:.0f} GB/s "
+          f"(eager; the same copy captured in a CUDA graph: {graph_copy_gbs:.0f} GB/s)")
     if args.suite == "llama":
         targets = [Target("llama3-8b", s, "pct_copy", 0.0) for s in llama_suite()]
     else:
@@ -139,6 +148,8 @@ def main(argv=None) -> int:
     print(header)
     for t in targets:
         spec = t.spec
+        if args.only and args.only not in spec.name and t.regime != "geometry base":
+            continue
         sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
         nbytes = bytes_moved(spec)
         us, selected = time_config(spec, sets, None)

@@ -2,11 +2,13 @@
 
 from .api import BatchDecodePagedTSWrapper, batch_decode_with_paged_kv_cache
 from .configs import KernelConfig, SelectedConfig
+from .tables import explain
 
 __all__ = [
     "BatchDecodePagedTSWrapper",
     "KernelConfig",
     "SelectedConfig",
     "batch_decode_with_paged_kv_cache",
+    "explain",
 ]
 __version__ = "0.1.0"

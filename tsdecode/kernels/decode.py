@@ -38,6 +38,23 @@ def interpreter_active() -> bool:
     return os.environ.get(_INTERPRET_ENV, "0") not in ("", "0")
 
 
+_PDL_CACHE: dict[int, bool] = {}
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch: on for sm90+ CUDA devices unless TSDECODE_DISABLE_PDL=1.
+
+    It lets the merge kernel (and this op after the previous kernel) launch while the prior
+    grid drains; each kernel waits (gdc_wait) before its first load, so results are unchanged.
+    """
+    if device.type != "cuda" or interpreter_active() or os.environ.get("TSDECODE_DISABLE_PDL", "0") == "1":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PDL_CACHE:
+        _PDL_CACHE[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _PDL_CACHE[index]
+
+
 @triton.jit
 def _split_kv_kernel(
     # pointers
@@ -75,7 +92,13 @@ def _split_kv_kernel(
     DOT_FP32: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm90+)
 ):
+    if USE_PDL:
+        # Inputs may come from the previous kernel in the stream: wait for it before any load,
+        # then let the merge kernel launch early (it waits for this grid before reading).
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     m_block = pid % NUM_M_BLOCKS
@@ -222,8 +245,11 @@ def _merge_kernel(
     SEQ_LEN_Q: tl.constexpr,
     PACKED: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[tok, head] = bmm2_scale * sum_s w_s o_s / sum_s w_s, w_s = exp2(lse_s - max lse)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the split pass's partials are complete and visible
     gtok = tl.program_id(0)
     head = tl.program_id(1)
     if PACKED:
@@ -353,6 +379,7 @@ def launch_decode(
         partial_o = partial_lse = out  # unused by the kernel when DIRECT_OUT
         po_strides, lse_strides = (0, 0, 0), (0, 0)
     indptr = qo_indptr if qo_indptr is not None else seq_lens  # unused unless PACKED
+    pdl = pdl_enabled(q.device)
     grid = (g.batch_size * g.num_kv_heads * num_m_blocks, splits)
     _split_kv_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, indptr,
@@ -369,8 +396,8 @@ def launch_decode(
         SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed, CAUSAL=g.causal, WINDOW=g.window_left >= 0,
         NUM_M_BLOCKS=num_m_blocks, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot, DOT_FP32=interp,
-        COMPUTE_DTYPE=compute_dtype(q.dtype), NUM_STAGES=config.num_stages,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        COMPUTE_DTYPE=compute_dtype(q.dtype), NUM_STAGES=config.num_stages, USE_PDL=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     if splits > 1:
         _merge_kernel[(g.total_q, g.num_qo_heads)](
@@ -378,6 +405,6 @@ def launch_decode(
             *po_strides, *lse_strides,
             so_b, so_t, so_h,
             HEAD_DIM=g.head_dim, BLOCK_D=block_d, SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed,
-            BLOCK_S=min(triton.next_power_of_2(splits), 16),
-            num_warps=4 if block_d >= 128 else 2,
+            BLOCK_S=min(triton.next_power_of_2(splits), 16), USE_PDL=pdl,
+            num_warps=4 if block_d >= 128 else 2, **({"launch_pdl": True} if pdl else {}),
         )
