@@ -179,26 +179,25 @@ def fit_config(config: KernelConfig, shape: ProblemShape) -> tuple[KernelConfig,
 def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     """A good default from SM count, B*Hkv, L, G and D (no measurement).
 
-    Rows: all G*SQ query rows of a KV head in one program when they fit 64 (K/V read once), padded
-    to 16 for tl.dot; a single row (MHA, SQ=1) uses the FMA path. Splits: aim at one balanced
-    wave of about 4 programs per SM (what a 4-warp program of this kernel keeps resident), but
-    keep each split at least 256 tokens long so the merge stays cheap.
+    Calibrated on an H200 sweep (docs/perf-notes.md). Rows: all G*SQ query rows of a KV head in
+    one program (K/V read once), padded to at least 16 for tl.dot: the FMA path is far slower even
+    for a single row. Splits: fill about 4 programs per SM when B*Hkv programs cannot, down to
+    one 64-token tile per split; at large batch with long K/V, a few splits of narrower tiles
+    (block_n=32) still help (shorter dependent chains, better tail balance).
     """
     rows = shape.rows_per_kv_head
-    if rows == 1:
-        block_m, block_n = 1, 64
-    elif rows < DOT_MIN_BLOCK_M and shape.head_dim <= 64:
-        block_m, block_n = next_power_of_2(rows), 32
-    else:
-        block_m = min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
-        block_n = 64 if shape.head_dim <= 128 else 32
+    block_m = min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
+    block_n = 64 if shape.head_dim <= 128 else 32
     m_blocks = -(-rows // block_m)
     base_programs = shape.batch_size * shape.num_kv_heads * m_blocks
     target_programs = 4 * max(1, num_sms)
     num_kv_splits = 1
     if base_programs < target_programs:
         num_kv_splits = max(1, target_programs // base_programs)
-        num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 256))
+        num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 64))
+    elif shape.max_kv_len >= 8192:
+        block_n = 32
+        num_kv_splits = min(8, shape.max_kv_len // 4096)
     config = KernelConfig(
         block_n=block_n, block_m=block_m, num_kv_splits=num_kv_splits, num_warps=4, num_stages=2
     )

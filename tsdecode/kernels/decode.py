@@ -293,10 +293,21 @@ def _merge_kernel(
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def compute_dtype(q_dtype: torch.dtype) -> tl.dtype:
-    """dtype tl.dot operands are converted to: q's, or fp16 for an fp8 query (e4m3 is exact in
-    fp16, and fp16 keeps more mantissa than bf16 for the probabilities in P @ V)."""
+def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tl.dtype:
+    """dtype the tl.dot operands are converted to (fp32 accumulation either way).
+
+    fp16/bf16 caches: q's dtype. fp8 caches: fp16, because e4m3 -> fp16 is one native
+    conversion per two values on sm89+ while e4m3 -> bf16 is not, and every e4m3 value is exact
+    in fp16; a bf16 query is converted to fp16 too (exact for |q| in [6.1e-5, 65504]), and fp16
+    keeps more mantissa than bf16 for the probabilities in P @ V.
+    """
+    if kv_dtype == torch.float8_e4m3fn and _FP8_COMPUTE == "float16":
+        return tl.float16
     return _TL_DTYPES.get(q_dtype, tl.float16)
+
+
+# Measurement switch (TSDECODE_FP8_COMPUTE=bfloat16 keeps a bf16 query's dtype for fp8 caches).
+_FP8_COMPUTE = os.environ.get("TSDECODE_FP8_COMPUTE", "float16")
 
 
 @dataclass(frozen=True)
@@ -396,7 +407,7 @@ def launch_decode(
         SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed, CAUSAL=g.causal, WINDOW=g.window_left >= 0,
         NUM_M_BLOCKS=num_m_blocks, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot, DOT_FP32=interp,
-        COMPUTE_DTYPE=compute_dtype(q.dtype), NUM_STAGES=config.num_stages, USE_PDL=pdl,
+        COMPUTE_DTYPE=compute_dtype(q.dtype, k_cache.dtype), NUM_STAGES=config.num_stages, USE_PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     if splits > 1:

@@ -1,0 +1,194 @@
+"""One test per error path: bad input raises TypeError/ValueError naming the argument."""
+
+import pytest
+import torch
+
+import tsdecode
+from tsdecode import KernelConfig
+from cases import FP8, Case, DEVICE, build, plan_wrapper
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def inp():
+    return build(Case(lens=(5, 40)))
+
+
+def oneshot(inp, **kw):
+    args = dict(q=inp.q, paged_kv_cache=inp.cache, block_tables=inp.block_tables, seq_lens_kv=inp.seq_lens)
+    args.update(kw)
+    return tsdecode.batch_decode_with_paged_kv_cache(**args)
+
+
+def plan(inp, **kw):
+    args = dict(block_tables=inp.block_tables, seq_lens_kv=inp.seq_lens, num_qo_heads=8,
+                num_kv_heads=2, head_dim=64, page_size=16, q_data_type=BF16)
+    args.update(kw)
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan(**args)
+    return w
+
+
+ONESHOT_ERRORS = {
+    "q not a tensor": (dict(q=[1.0]), TypeError, "q must be a torch.Tensor"),
+    "q fp32": (dict(q="fp32"), TypeError, "q dtype"),
+    "q 2-D": (dict(q="2d"), ValueError, "q must be"),
+    "q head dim": (dict(q="d32"), ValueError, "head dim"),
+    "q batch": (dict(q="b3"), ValueError, "q must have shape"),
+    "q heads not multiple": (dict(q="h3"), ValueError, "multiple of num_kv_heads"),
+    "q dtype vs cache": (dict(q="fp16"), TypeError, "needs q of the same dtype"),
+    "cache 4-D": (dict(paged_kv_cache="4d"), ValueError, "paged_kv_cache must be"),
+    "cache tuple of 3": (dict(paged_kv_cache="tuple3"), ValueError, r"must be \(K, V\)"),
+    "cache K/V shapes": (dict(paged_kv_cache="kv-shape"), ValueError, "shapes differ"),
+    "cache non-compact": (dict(paged_kv_cache="strided"), ValueError, "compact"),
+    "kv_layout": (dict(kv_layout="NHD"), ValueError, "kv_layout"),
+    "block_tables int64": (dict(block_tables="int64"), TypeError, "block_tables must be int32"),
+    "block_tables 1-D": (dict(block_tables="1d"), ValueError, "block_tables must be 2-D"),
+    "block_tables col stride": (dict(block_tables="colstride"), ValueError, "rows must be contiguous"),
+    "page id out of range": (dict(block_tables="oob"), ValueError, "page ID"),
+    "negative page id": (dict(block_tables="neg"), ValueError, "negative page ID"),
+    "seq_lens int64": (dict(seq_lens_kv="int64"), TypeError, "seq_lens_kv must be int32"),
+    "seq_lens shape": (dict(seq_lens_kv="shape"), ValueError, r"seq_lens_kv must have shape"),
+    "seq_len zero": (dict(seq_lens_kv="zero"), ValueError, r"seq_lens_kv\[0\]=0"),
+    "seq_len over capacity": (dict(seq_lens_kv="big"), ValueError, "C\\*P"),
+    "mask_type": (dict(mask_type="sliding"), ValueError, "mask_type"),
+    "window without causal": (dict(window_left=4), ValueError, "needs mask_type='causal'"),
+    "window below -1": (dict(window_left=-2, mask_type="causal"), ValueError, "window_left must be >= -1"),
+    "bmm1_scale tensor": (dict(bmm1_scale="tensor"), TypeError, "bmm1_scale must be a Python float"),
+    "bmm2_scale nan": (dict(bmm2_scale=float("nan")), ValueError, "bmm2_scale must be finite"),
+    "out_dtype fp8 with bf16 q": (dict(out_dtype=FP8), TypeError, "output dtype"),
+    "out_dtype int": (dict(out_dtype=torch.int32), TypeError, "output dtype"),
+    "out shape": (dict(out="shape"), ValueError, "out must have q's shape"),
+    "out dtype vs out_dtype": (dict(out="bf16", out_dtype=torch.float16), TypeError, "disagrees"),
+    "out aliases q": (dict(out="alias"), ValueError, "must not alias q"),
+    "seq_len_q without 4-D q": (dict(seq_len_q=2), ValueError, "needs q as"),
+    "fixed max_seq_len_q mismatch": (dict(max_seq_len_q=3), ValueError, "must equal seq_len_q"),
+    "causal query longer than kv": (dict(q="sq8", seq_len_q=8, mask_type="causal"), ValueError, "causal mask needs"),
+    "qo_indptr int64": (dict(qo_indptr="int64"), TypeError, "qo_indptr must be int32"),
+    "qo_indptr shape": (dict(qo_indptr="shape"), ValueError, r"qo_indptr must have shape"),
+    "qo_indptr not from 0": (dict(qo_indptr="start1"), ValueError, r"qo_indptr\[0\] must be 0"),
+    "qo_indptr not increasing": (dict(qo_indptr="flat"), ValueError, "strictly increase"),
+    "qo_indptr capacity": (dict(qo_indptr="long2", max_seq_len_q=1), ValueError, "smaller than the longest"),
+    "qo_indptr alias disagrees": (dict(qo_indptr="ok", seq_len_q=3, max_seq_len_q=4), ValueError, "disagrees"),
+    "packed q 4-D": (dict(qo_indptr="ok", q="4d"), ValueError, "packed q"),
+}
+
+
+def _materialize(inp, kw):
+    q, cache, bt, sl = inp.q, inp.cache, inp.block_tables, inp.seq_lens
+    out = dict(kw)
+    special = {
+        ("q", "fp32"): lambda: q.float(),
+        ("q", "2d"): lambda: q[0],
+        ("q", "d32"): lambda: q[..., :32],
+        ("q", "b3"): lambda: torch.cat([q, q[:1]]),
+        ("q", "h3"): lambda: q[:, :3],
+        ("q", "fp16"): lambda: q.half(),
+        ("q", "sq8"): lambda: q[:, None].expand(2, 8, 8, 64).contiguous(),
+        ("q", "4d"): lambda: q[:, None],
+        ("paged_kv_cache", "4d"): lambda: cache[:, 0],
+        ("paged_kv_cache", "tuple3"): lambda: (cache[:, 0], cache[:, 1], cache[:, 0]),
+        ("paged_kv_cache", "kv-shape"): lambda: (cache[:, 0], cache[:-1, 1]),
+        ("paged_kv_cache", "strided"): lambda: cache.transpose(3, 4).contiguous().transpose(3, 4),
+        ("block_tables", "int64"): lambda: bt.long(),
+        ("block_tables", "1d"): lambda: bt[0],
+        ("block_tables", "colstride"): lambda: bt.t().contiguous().t(),
+        ("block_tables", "oob"): lambda: bt.clone().index_fill_(1, torch.tensor([0], device=bt.device), 10**6),
+        ("block_tables", "neg"): lambda: bt.clone().index_fill_(1, torch.tensor([0], device=bt.device), -1),
+        ("seq_lens_kv", "int64"): lambda: sl.long(),
+        ("seq_lens_kv", "shape"): lambda: sl[:1],
+        ("seq_lens_kv", "zero"): lambda: torch.zeros_like(sl),
+        ("seq_lens_kv", "big"): lambda: sl + 10**5,
+        ("bmm1_scale", "tensor"): lambda: torch.tensor(0.1),
+        ("out", "shape"): lambda: torch.empty(q.shape[0], 8, 32, dtype=BF16, device=q.device),
+        ("out", "bf16"): lambda: torch.empty_like(q),
+        ("out", "alias"): lambda: q,
+        ("qo_indptr", "int64"): lambda: torch.tensor([0, 1, 2], device=q.device),
+        ("qo_indptr", "shape"): lambda: torch.tensor([0, 2], dtype=torch.int32, device=q.device),
+        ("qo_indptr", "start1"): lambda: torch.tensor([1, 1, 2], dtype=torch.int32, device=q.device),
+        ("qo_indptr", "flat"): lambda: torch.tensor([0, 0, 2], dtype=torch.int32, device=q.device),
+        ("qo_indptr", "long2"): lambda: torch.tensor([0, 1, 3], dtype=torch.int32, device=q.device),
+        ("qo_indptr", "ok"): lambda: torch.tensor([0, 1, 2], dtype=torch.int32, device=q.device),
+    }
+    for key, value in kw.items():
+        if isinstance(value, str) and (key, value) in special:
+            out[key] = special[(key, value)]()
+    return out
+
+
+@pytest.mark.parametrize("name", list(ONESHOT_ERRORS))
+def test_oneshot_error(inp, name):
+    kw, exc, pattern = ONESHOT_ERRORS[name]
+    with pytest.raises(exc, match=pattern):
+        oneshot(inp, **_materialize(inp, kw))
+
+
+PLAN_ERRORS = {
+    "num_qo_heads float": (dict(num_qo_heads=8.0), TypeError, "num_qo_heads must be an int"),
+    "num_kv_heads zero": (dict(num_kv_heads=0), ValueError, "num_kv_heads must be >= 1"),
+    "head_dim unsupported": (dict(head_dim=80), ValueError, "head_dim must be one of"),
+    "page_size huge": (dict(page_size=4096), ValueError, "page_size must be in"),
+    "group too large": (dict(num_qo_heads=512, num_kv_heads=2), ValueError, "group size"),
+    "q_data_type not dtype": (dict(q_data_type="bf16"), TypeError, "must be a torch.dtype"),
+    "fp8 q with bf16 cache": (dict(q_data_type=FP8, kv_data_type=BF16), TypeError, "needs q of the same dtype"),
+    "kv_data_type int8": (dict(kv_data_type=torch.int8), TypeError, "kv dtype"),
+    "max_kv_len over capacity": (dict(max_kv_len=10**6), ValueError, "exceeds the block-table capacity"),
+    "max_kv_len below lengths": (dict(max_kv_len=10), ValueError, "more than max_kv_len"),
+    "bind_seq_lens not bool": (dict(bind_seq_lens=1), TypeError, "bind_seq_lens must be a bool"),
+    "config wrong type": (dict(config={"block_n": 64}), TypeError, "config must be a tsdecode.KernelConfig"),
+    "config outside space": (dict(config=KernelConfig(block_n=48)), ValueError, "KernelConfig.block_n"),
+    "seq_lens on another device": (dict(seq_lens_kv="meta"), ValueError, "seq_lens_kv must be on"),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAN_ERRORS))
+def test_plan_error(inp, name):
+    kw, exc, pattern = PLAN_ERRORS[name]
+    if kw.get("seq_lens_kv") == "meta":
+        kw = dict(seq_lens_kv=torch.empty(2, dtype=torch.int32, device="meta"))
+    with pytest.raises(exc, match=pattern):
+        plan(inp, **kw)
+
+
+def test_run_before_plan():
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    with pytest.raises(RuntimeError, match="before plan"):
+        w.run(torch.zeros(1), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="after plan"):
+        w.config
+
+
+def test_wrapper_kv_layout():
+    with pytest.raises(ValueError, match="kv_layout"):
+        tsdecode.BatchDecodePagedTSWrapper(kv_layout="NHD")
+
+
+@pytest.mark.parametrize("what", ["q dtype", "q shape", "cache dtype", "cache geometry", "page range", "out dtype"])
+def test_run_checks_against_plan(inp, what):
+    w = plan(inp)
+    q, cache, out = inp.q, inp.cache, None
+    exc, pattern = ValueError, ""
+    if what == "q dtype":
+        q, exc, pattern = q.half(), TypeError, "q dtype must be"
+    elif what == "q shape":
+        q, pattern = q[:1], "q must have shape"
+    elif what == "cache dtype":
+        cache, exc, pattern = cache.half(), TypeError, "paged_kv_cache dtype"
+    elif what == "cache geometry":
+        cache = torch.zeros(cache.shape[0], 2, 2, 8, 64, dtype=cache.dtype, device=cache.device)
+        pattern = r"paged_kv_cache pages must be"
+    elif what == "page range":
+        cache, pattern = cache[:1], "page ID"
+    elif what == "out dtype":
+        out, exc, pattern = torch.empty(q.shape, dtype=torch.float16, device=q.device), TypeError, "out dtype"
+    with pytest.raises(exc, match=pattern):
+        w.run(q, cache, out=out)
+
+
+def test_cpu_tensors_need_interpreter(inp, monkeypatch):
+    if DEVICE.type == "cuda":
+        pytest.skip("checks the CPU path")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA device"):
+        plan(inp)
