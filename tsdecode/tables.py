@@ -13,8 +13,8 @@ the next table or to the heuristic. The config a table gives is still clamped to
 
 Search order (first table that matches the device and has an entry for the problem class wins):
 
-1. an explicit path: ``config_dir`` argument, else ``set_config_path``, else ``$TSDECODE_CONFIG_DIR``
-   (a table file or a folder of tables);
+1. an explicit path (a table file or a folder of tables): the ``config_dir`` argument, else
+   ``set_config_path``, else ``$TSDECODE_CONFIG_DIR``;
 2. the user's cache, ``$XDG_CACHE_HOME/tsdecode/tuned_configs`` (``tsdecode-tune`` writes here);
 3. the tables shipped in the package (``tsdecode.tuned_configs``).
 """
@@ -22,7 +22,6 @@ Search order (first table that matches the device and has an entry for the probl
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import hashlib
 import importlib.resources
@@ -52,9 +51,9 @@ except ImportError:  # pragma: no cover - Windows
 
 __all__ = [
     "FORMAT_VERSION", "CONFIG_DIR_ENV", "TUNE_COMMAND", "DeviceInfo", "TableEntry", "Table",
-    "TableHit", "TableFormatError", "problem_class_key", "bucket_of", "table_filename",
-    "user_config_dir", "shipped_config_dir", "kernel_source_hash", "validate_table_data",
-    "load_table", "merge_entries", "lookup", "explain", "set_config_path",
+    "TableHit", "TableFormatError", "problem_class_key", "query_mode", "bucket_of",
+    "table_filename", "user_config_dir", "shipped_config_dir", "kernel_source_hash",
+    "validate_table_data", "load_table", "merge_entries", "lookup", "explain", "set_config_path",
     "set_device_info_override", "clear_cache", "bench_lookup",
 ]
 
@@ -134,9 +133,8 @@ def query_mode(shape: ProblemShape) -> str:
     """The SQ bucket of a shape: "1", "2", "4", "8", "16+" or "packed"."""
     if shape.packed:
         return "packed"
-    if shape.max_seq_len_q >= SQ_BUCKETS[-1]:
-        return f"{SQ_BUCKETS[-1]}+"
-    return str(next_power_of_2(shape.max_seq_len_q))
+    sq = next_power_of_2(shape.max_seq_len_q)
+    return f"{SQ_BUCKETS[-1]}+" if sq >= SQ_BUCKETS[-1] else str(sq)
 
 
 def problem_class_key(shape: ProblemShape) -> str:
@@ -241,8 +239,8 @@ class Table:
     _nearest: dict = field(default_factory=dict, compare=False, repr=False)
 
     def nearest_bucket(self, key: str, bucket: tuple[int, int]) -> tuple[int, int] | None:
-        """The bucket of class ``key`` closest to ``bucket`` in log2 distance over batch size
-        plus K/V length (ties: closer length, then the larger bucket); None if the class is absent."""
+        """The bucket of class ``key`` closest to ``bucket``: log2 distance over batch size plus
+        K/V length (ties: closer length, then the larger bucket); None if the class is absent."""
         buckets = self.entries.get(key)
         if not buckets:
             return None
@@ -417,16 +415,28 @@ _hash_cache: list[str] = []
 
 
 def kernel_source_hash() -> str:
-    """sha256 (first 16 hex) of tsdecode/kernels/decode.py and tsdecode/configs.py.
+    """sha256 (first 16 hex) of the kernel source and the config space it is tuned over.
 
-    Read as text, so a CRLF checkout hashes like an LF one.
+    Covers tsdecode/kernels/decode.py (read as text, so a CRLF checkout hashes like an LF one)
+    and the config-space definition (KernelConfig's fields and the choice constants), not the
+    rest of configs.py: editing the heuristic must not mark every tuned table stale.
     """
     if not _hash_cache:
+        import dataclasses
+
+        from . import configs
+
         root = Path(__file__).resolve().parent
         h = hashlib.sha256()
-        for part in (root / "kernels" / "decode.py", root / "configs.py"):
-            h.update(part.read_text(encoding="utf-8").encode("utf-8"))
-            h.update(b"\0")
+        h.update((root / "kernels" / "decode.py").read_text(encoding="utf-8").encode("utf-8"))
+        h.update(b"\0")
+        space = (
+            [f.name for f in dataclasses.fields(configs.KernelConfig)],
+            configs.BLOCK_N_CHOICES, configs.BLOCK_M_CHOICES, configs.NUM_WARPS_CHOICES,
+            configs.NUM_STAGES_CHOICES, configs.MAX_NUM_KV_SPLITS, configs.DOT_MIN_BLOCK_M,
+            configs.FMA_MAX_TILE_ELEMENTS,
+        )
+        h.update(repr(space).encode("utf-8"))
         _hash_cache.append(h.hexdigest()[:16])
     return _hash_cache[0]
 
@@ -593,13 +603,15 @@ def _read_table(path: str) -> tuple[tuple[int, int, int, int] | None, Table | No
             st = os.fstat(f.fileno())  # the key of what we read, not of a later file
             raw = f.read()
     except OSError as e:
-        _warn_locked(("unreadable", path), f"tuned config table {path} cannot be read ({e}); ignored")
+        _warn_locked(
+            ("unreadable", path), f"tuned config table {path} cannot be read ({e}); ignored"
+        )
         return None, None, False
     key = _file_key(st)
     trusted = st.st_mtime_ns < started - _RACY_NS
     try:
         data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, deep nesting
         _warn_locked(
             ("corrupt", path),
             f"tuned config table {path} is not valid JSON (corrupt or truncated: {e}); ignored",
@@ -614,7 +626,13 @@ def _read_table(path: str) -> tuple[tuple[int, int, int, int] | None, Table | No
             f"upgrade tsdecode)",
         )
     except TableFormatError as e:
-        _warn_locked(("schema", path), f"tuned config table {path} violates the format: {e}; ignored")
+        _warn_locked(
+            ("schema", path), f"tuned config table {path} violates the format: {e}; ignored"
+        )
+    except Exception as e:  # noqa: BLE001 - a table must never break a plan
+        _warn_locked(
+            ("error", path), f"tuned config table {path} cannot be used ({e!r}); ignored"
+        )
     return key, None, trusted
 
 
@@ -642,7 +660,9 @@ def _table_from_data(path: str, data: object) -> Table:
     stale = []
     current_hash = kernel_source_hash()
     if data["kernel_hash"] != current_hash:
-        stale.append(f"table kernel hash differs (table {data['kernel_hash']}, current {current_hash})")
+        stale.append(
+            f"table kernel hash differs (table {data['kernel_hash']}, current {current_hash})"
+        )
     current_triton = _triton_version()
     if _major(data["triton_version"]) != _major(current_triton):
         stale.append(
@@ -716,6 +736,7 @@ def _candidates(
             yield table, _exact_notes(table, info)
         elif trace is not None:
             trace.append(f"    {first}: " + ("absent" if table is None else "another device"))
+    if files is None:
         files = [f for f in _json_files(source) if f != first]
     exact, variants = [], []
     for path in files:
@@ -740,7 +761,8 @@ def _candidates(
             trace.append(f"    {path}: for {table.device.describe()}, not this device")
     yield from exact
     for table, notes in variants:
-        _warn_once(("variant", table.path, info.name), f"tuned config table {table.path}: {notes[0]}")
+        _warn_once(("variant", table.path, info.name),
+                   f"tuned config table {table.path}: {notes[0]}")
         yield table, notes
 
 
@@ -911,7 +933,9 @@ def _check_new_entries(entries: Mapping[str, Mapping[tuple[int, int], TableEntry
                 raise ValueError(f"{key}: bucket must be (batch_size, kv_len) powers of two "
                                  f"(see tables.bucket_of), got {bucket!r}")
             if not isinstance(entry, TableEntry):
-                raise TypeError(f"{key} {bucket}: expected a TableEntry, got {type(entry).__name__}")
+                raise TypeError(
+                    f"{key} {bucket}: expected a TableEntry, got {type(entry).__name__}"
+                )
 
 
 def _existing_for_merge(path: Path, device: DeviceInfo) -> tuple[dict, str | None]:
@@ -922,7 +946,7 @@ def _existing_for_merge(path: Path, device: DeviceInfo) -> tuple[dict, str | Non
     try:
         data = json.loads(path.read_bytes())
         table = _table_from_data(str(path), data)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TableFormatError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8, the format
         moved = _move_aside(path, "corrupt")
         logger.warning(f"tuned config table {path} is unusable ({e}); moved aside to {moved} "
                        "and written afresh")
@@ -1026,6 +1050,8 @@ def explain(
     from . import validation as V
 
     V.validate_heads(num_qo_heads, num_kv_heads, head_dim, page_size)
+    for name, value in (("batch_size", batch_size), ("kv_len", kv_len), ("seq_len_q", seq_len_q)):
+        V.require_int(name, value, minimum=1)
     q_dtype, kv_dtype, o_dtype = V.resolve_dtypes(q_dtype, kv_dtype, o_dtype)
     mask_kind = "windowed" if window_left >= 0 else mask_type
     if mask_kind not in ("dense", "causal", "windowed"):
@@ -1064,12 +1090,13 @@ def explain(
                 f"default {e.default_config} {e.default_time_us:.2f} us, "
                 f"{e.default_bandwidth_gbs:.0f} GB/s ({e.speedup:.2f}x)"
             )
-        notes = hit.notes + changes
+        notes = hit.notes
     else:
-        config, notes = heuristic_config(shape, device_num_sms(device)), ()
+        config, notes, changes = heuristic_config(shape, device_num_sms(device)), (), ()
         lines.append("source: heuristic (no table entry found)")
     lines.append(f"config: {config}")
-    lines.extend(f"adjusted: {n}" for n in notes)
+    lines.extend(f"note: {n}" for n in notes)
+    lines.extend(f"adjusted: {c}" for c in changes)
     return "\n".join(lines)
 
 

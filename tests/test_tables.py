@@ -1,0 +1,547 @@
+"""Tuned config tables: format, search order, matching, bad files, warn-once, atomic writes,
+concurrent merges, packaging, and a plan that picks a table entry end to end (CPU interpreter)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import tsdecode
+from tsdecode import tables
+from tsdecode.configs import KernelConfig, ProblemShape, select_config
+from tsdecode.reference import reference_decode
+from tsdecode.tables import DeviceInfo, TableEntry
+
+REPO = Path(__file__).resolve().parent.parent
+H200 = DeviceInfo("NVIDIA H200", 132, (9, 0), 150_754_820_096)
+H200_NVL = DeviceInfo("NVIDIA H200 NVL", 132, (9, 0), 150_754_820_096)
+H100_PCIE = DeviceInfo("NVIDIA H100 PCIe", 114, (9, 0), 85_029_158_912)
+CPU = torch.device("cpu")
+
+
+def make_shape(batch_size=48, kv_len=6000, **kw) -> ProblemShape:
+    args = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    args.update(kw)
+    return ProblemShape(batch_size=batch_size, max_kv_len=kv_len, **args)
+
+
+def make_entry(num_warps=4, **kw) -> TableEntry:
+    return TableEntry(
+        KernelConfig(num_warps=num_warps, **kw), 10.0, 3000.0, 0.75, KernelConfig(), 12.5, 2400.0
+    )
+
+
+def write(folder: Path, device=H200, entries=None, shape=None, num_warps=4) -> Path:
+    """merge_entries one entry (the bucket of ``shape``) into folder/<device file>."""
+    shape = shape or make_shape()
+    if entries is None:
+        bucket = tables.bucket_of(shape.batch_size, shape.max_kv_len)
+        entries = {tables.problem_class_key(shape): {bucket: make_entry(num_warps)}}
+    path = Path(folder) / tables.table_filename(device.name)
+    tables.merge_entries(path, device, entries, {"trials": 10})
+    return path
+
+
+def messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("tsdecode") and r.levelno >= logging.WARNING]
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch, caplog):
+    """No real user cache, shipped tables, env path or leftover process state."""
+    monkeypatch.delenv(tables.CONFIG_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(tables, "shipped_config_dir", lambda: shipped)
+    caplog.set_level(logging.WARNING, logger="tsdecode")
+    tables.clear_cache()
+    yield
+    tables.set_config_path(None)
+    tables.set_device_info_override(None)
+    tables.clear_cache()
+
+
+@pytest.fixture
+def user_dir(tmp_path) -> Path:
+    return tmp_path / "xdg" / "tsdecode" / "tuned_configs"
+
+
+# ------------------------------------------------------------------------------------------------
+# Keys, buckets, format
+# ------------------------------------------------------------------------------------------------
+
+
+def test_problem_class_key_and_buckets():
+    assert tables.problem_class_key(make_shape()) == (
+        "q=bfloat16,kv=bfloat16,o=bfloat16,d=128,g=4,hkv=8,p=16,sq=1,mask=dense"
+    )
+    fp8 = make_shape(q_dtype=torch.float16, kv_dtype=torch.float8_e4m3fn, o_dtype=torch.float32,
+                     mask_kind="windowed", max_seq_len_q=3)
+    assert tables.problem_class_key(fp8) == (
+        "q=float16,kv=float8_e4m3fn,o=float32,d=128,g=4,hkv=8,p=16,sq=4,mask=windowed"
+    )
+    modes = {sq: tables.query_mode(make_shape(max_seq_len_q=sq)) for sq in (1, 2, 3, 8, 9, 16, 40)}
+    assert modes == {1: "1", 2: "2", 3: "4", 8: "8", 9: "16+", 16: "16+", 40: "16+"}
+    assert tables.query_mode(make_shape(max_seq_len_q=5, packed=True)) == "packed"
+    assert tables.bucket_of(48, 6000) == (64, 8192)
+    assert tables.bucket_of(1, 1) == (1, 1)
+    assert tables.bucket_of(64, 8192) == (64, 8192)
+    assert tables.table_filename("NVIDIA H200") == "NVIDIA_H200.json"
+    assert tables.table_filename("NVIDIA H100 80GB HBM3") == "NVIDIA_H100_80GB_HBM3.json"
+
+
+def test_written_file_follows_the_format(tmp_path):
+    path = write(tmp_path)
+    data = json.loads(path.read_text())
+    tables.validate_table_data(data)
+    assert data["format_version"] == tables.FORMAT_VERSION
+    assert data["device"] == {"name": "NVIDIA H200", "sm_count": 132,
+                              "compute_capability": [9, 0], "total_memory": 150_754_820_096}
+    assert data["kernel_hash"] == tables.kernel_source_hash()
+    assert len(data["kernel_hash"]) == 16
+    assert data["tuner_settings"] == {"trials": 10}
+    assert set(data) >= {"triton_version", "torch_version", "created", "updated", "entries"}
+    [(key, [record])] = data["entries"].items()
+    assert (record["batch_size"], record["kv_len"]) == (64, 8192)
+    fields = {k: v for k, v in record.items() if k not in ("batch_size", "kv_len")}
+    assert TableEntry.from_dict(fields) == make_entry()
+    assert TableEntry.from_dict(make_entry().to_dict()).speedup == pytest.approx(1.25)
+    table = tables.load_table(path)
+    assert table.device == H200 and table.stale == () and table.skipped == ()
+    assert table.entries[key][(64, 8192)] == make_entry()
+    past = time.time() - 60
+    os.utime(path, (past, past))  # a file modified within the last second is re-read
+    table = tables.load_table(path)
+    assert tables.load_table(path) is table  # parsed once
+
+
+# ------------------------------------------------------------------------------------------------
+# Search order and matching
+# ------------------------------------------------------------------------------------------------
+
+
+def test_search_order(tmp_path, user_dir, monkeypatch):
+    shape = make_shape()
+    shipped = tables.shipped_config_dir()
+    folders = {name: tmp_path / name for name in ("arg", "setpath", "env")}
+    for warps, folder in zip((1, 2, 4), (folders["arg"], folders["setpath"], folders["env"])):
+        write(folder, num_warps=warps)
+    write(user_dir, num_warps=8)
+    write(shipped, num_warps=8, shape=make_shape(head_dim=64))  # only the shipped table has d=64
+    tables.set_config_path(folders["setpath"])
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(folders["env"]))
+
+    def hit(**kw):
+        return tables.lookup(kw.pop("shape", shape), CPU, device_info=H200, **kw)
+
+    assert hit(config_dir=folders["arg"]).kernel_config.num_warps == 1
+    assert hit().kernel_config.num_warps == 2  # set_config_path beats the env variable
+    tables.set_config_path(None)
+    assert hit().kernel_config.num_warps == 4
+    assert hit().table_path == str(folders["env"] / "NVIDIA_H200.json")
+    monkeypatch.delenv(tables.CONFIG_DIR_ENV)
+    assert hit().table_path == str(user_dir / "NVIDIA_H200.json")
+    # first table *with an entry for the class* wins: d=64 falls through to the shipped table
+    assert hit(shape=make_shape(head_dim=64)).table_path == str(shipped / "NVIDIA_H200.json")
+    # an explicit path may name one file
+    one = write(tmp_path / "one", num_warps=1)
+    assert hit(config_dir=one).table_path == str(one)
+
+
+def test_exact_and_nearest_bucket(tmp_path):
+    key = tables.problem_class_key(make_shape())
+    entries = {key: {(64, 8192): make_entry(1), (1, 128): make_entry(2),
+                     (256, 65536): make_entry(8)}}
+    write(tmp_path, entries=entries)
+
+    def hit(b, n):
+        return tables.lookup(make_shape(b, n), CPU, config_dir=tmp_path, device_info=H200)
+
+    exact = hit(48, 6000)
+    assert (exact.bucket, exact.kernel_config.num_warps, exact.notes) == ((64, 8192), 1, ())
+    near = hit(40, 3000)  # bucket (64, 4096): one octave from (64, 8192)
+    assert (near.bucket, near.kernel_config.num_warps) == ((64, 8192), 1)
+    assert near.notes == ("nearest bucket (64, 8192) for (40, 3000)",)
+    assert hit(2, 100).bucket == (1, 128)
+    assert hit(1000, 100_000).bucket == (256, 65536)
+    assert near.entry == make_entry(1)
+
+
+def test_no_entry_for_the_class_uses_the_heuristic(tmp_path, caplog):
+    write(tmp_path)
+    tables.set_config_path(tmp_path)
+    tables.set_device_info_override(H200)
+    other = make_shape(head_dim=64)
+    assert tables.lookup(other, CPU) is None
+    selected = select_config(other, CPU)
+    assert selected.source == "heuristic" and selected.table_path is None
+    assert select_config(make_shape(), CPU).source == "table"
+    assert messages(caplog) == []  # the GPU has a table: a missing class is not worth a warning
+
+
+def test_device_name_variants(user_dir, caplog):
+    write(user_dir, num_warps=2)  # NVIDIA H200
+    hit = tables.lookup(make_shape(), CPU, device_info=H200_NVL)
+    assert hit.kernel_config.num_warps == 2
+    assert hit.notes == ("table for 'NVIDIA H200' used for 'NVIDIA H200 NVL' "
+                         "(same compute capability 9.0 and 132 SMs)",)
+    tables.lookup(make_shape(), CPU, device_info=H200_NVL)
+    [msg] = messages(caplog)
+    assert "NVIDIA_H200.json" in msg and "NVIDIA H200 NVL" in msg
+    # an exact-name table beats a variant, and the variant's own table does not break H200
+    write(user_dir, device=H200_NVL, num_warps=8)
+    assert tables.lookup(make_shape(), CPU, device_info=H200_NVL).kernel_config.num_warps == 8
+    assert tables.lookup(make_shape(), CPU, device_info=H200).kernel_config.num_warps == 2
+    # a different SM count is another chip: no match, one "missing table" warning
+    caplog.clear()
+    assert tables.lookup(make_shape(), CPU, device_info=H100_PCIE) is None
+    [msg] = messages(caplog)
+    assert "NVIDIA H100 PCIe" in msg and "tsdecode-tune --preset llama3-8b" in msg
+
+
+def test_exact_name_with_other_sm_count_is_used_with_a_note(user_dir, caplog):
+    write(user_dir)
+    sliced = DeviceInfo("NVIDIA H200", 16, (9, 0), 18 << 30)  # e.g. a MIG slice
+    hit = tables.lookup(make_shape(), CPU, device_info=sliced)
+    assert hit.notes == ("table tuned on 132 SMs, this 'NVIDIA H200' has 16",)
+    assert len(messages(caplog)) == 1
+
+
+def test_cuda_device_is_matched_by_its_properties(user_dir, monkeypatch):
+    """lookup(shape, cuda device) reads the properties itself (faked here: no GPU on CI)."""
+    props = SimpleNamespace(name="NVIDIA H200", multi_processor_count=132, major=9, minor=0,
+                            total_memory=150_754_820_096)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert DeviceInfo.from_torch(torch.device("cuda")) == H200
+    write(user_dir, num_warps=8)
+    assert tables.lookup(make_shape(), torch.device("cuda", 0)).kernel_config.num_warps == 8
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        DeviceInfo.from_torch(CPU)
+
+
+# ------------------------------------------------------------------------------------------------
+# Missing, bad and stale tables; warn once
+# ------------------------------------------------------------------------------------------------
+
+
+def test_missing_table_warns_once_naming_the_tuner(caplog):
+    tables.set_device_info_override(H200)
+    for b in (1, 8, 64):
+        assert tables.lookup(make_shape(b), CPU) is None
+        assert select_config(make_shape(b), CPU).source == "heuristic"
+    [msg] = messages(caplog)
+    assert "'NVIDIA H200'" in msg and "tsdecode-tune --preset llama3-8b" in msg
+    assert "NVIDIA_H200.json" in msg
+    tables.clear_cache()  # resets the warn-once state
+    tables.lookup(make_shape(), CPU)
+    assert len(messages(caplog)) == 2
+
+
+def test_cpu_without_a_path_is_quiet_and_explicit_path_matches_any_table(
+    tmp_path, user_dir, monkeypatch, caplog
+):
+    write(user_dir)
+    assert tables.lookup(make_shape(), CPU) is None  # no device properties, no path
+    assert select_config(make_shape(), CPU).source == "heuristic"
+    assert messages(caplog) == []
+    write(tmp_path / "explicit", device=H100_PCIE, num_warps=8)
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path / "explicit"))
+    hit = tables.lookup(make_shape(), CPU)
+    assert hit.kernel_config.num_warps == 8
+    assert hit.notes == ("device properties unknown: table used without device match",)
+    assert messages(caplog) == []
+
+
+def _valid_text(tmp_path) -> str:
+    return write(tmp_path / "src").read_text()
+
+
+BAD_FILES = {
+    "corrupt": lambda text: b"\x00\xff garbage \x89PNG",
+    "truncated": lambda text: text[: len(text) // 2].encode(),
+    "empty": lambda text: b"",
+    "wrong_version": lambda text: json.dumps({**json.loads(text), "format_version": 99}).encode(),
+    "no_version": lambda text: json.dumps({"entries": {}}).encode(),
+    "not_an_object": lambda text: b"[1, 2, 3]",
+    "missing_field": lambda text: json.dumps(
+        {k: v for k, v in json.loads(text).items() if k != "device"}).encode(),
+    "bad_number": lambda text: text.replace('"time_us": 10.0', '"time_us": "fast"').encode(),
+    "negative_time": lambda text: text.replace('"time_us": 10.0', '"time_us": -1').encode(),
+    "bad_bucket": lambda text: text.replace('"batch_size": 64', '"batch_size": 48').encode(),
+    "bad_class_key": lambda text: text.replace("mask=dense", "mask=sparse").encode(),
+}
+
+
+@pytest.mark.parametrize("kind", [*BAD_FILES, "directory"])
+def test_bad_file_warns_once_and_is_skipped(kind, tmp_path, user_dir, caplog):
+    write(user_dir, num_warps=8)  # the good table behind the bad one
+    bad = tmp_path / "explicit" / "NVIDIA_H200.json"
+    bad.parent.mkdir()
+    if kind == "directory":
+        bad.mkdir()
+    else:
+        bad.write_bytes(BAD_FILES[kind](_valid_text(tmp_path)))
+        assert tables.load_table(bad) is None
+    for _ in range(3):
+        hit = tables.lookup(make_shape(), CPU, config_dir=bad.parent, device_info=H200)
+        assert hit.kernel_config.num_warps == 8 and hit.table_path == str(user_dir / bad.name)
+    [msg] = messages(caplog)
+    assert str(bad) in msg and "ignored" in msg
+    if kind == "wrong_version":
+        assert "format_version is 99" in msg
+
+
+def test_stale_table_warns_once_and_uses_only_valid_entries(tmp_path, caplog):
+    key = tables.problem_class_key(make_shape())
+    path = write(tmp_path, entries={key: {(64, 8192): make_entry(2), (64, 4096): make_entry(4)}})
+    data = json.loads(path.read_text())
+    data["kernel_hash"] = "0123456789abcdef"
+    data["triton_version"] = "2.3.1"
+    records = data["entries"][key]
+    records[1]["kernel_config"]["block_n"] = 48  # (64, 8192): outside today's config space
+    del records[0]["default_config"]["num_stages"]  # (64, 4096): an older config space
+    records.append({**records[1], "batch_size": 1, "kv_len": 1})
+    records[2]["kernel_config"] = {**records[2]["kernel_config"], "block_n": 64}  # still valid
+    path.write_text(json.dumps(data))
+
+    table = tables.load_table(path)
+    assert set(table.entries[key]) == {(1, 1)} and len(table.skipped) == 2
+    for _ in range(3):
+        hit = tables.lookup(make_shape(), CPU, config_dir=tmp_path, device_info=H200)
+        assert hit.bucket == (1, 1)  # the invalid exact bucket was skipped: nearest valid one
+        assert hit.notes[0].startswith("nearest bucket (1, 1)")
+        assert any("table kernel hash differs (table 0123456789abcdef" in n for n in hit.notes)
+        assert any("triton 2.3.1" in n for n in hit.notes)
+    msgs = messages(caplog)
+    assert len(msgs) == 3, msgs  # skipped entries, kernel hash, triton major: once each
+    assert sum("kernel hash differs" in m for m in msgs) == 1
+    assert sum("2 entries are not valid" in m for m in msgs) == 1
+
+
+def test_table_config_is_clamped_to_the_shape(tmp_path):
+    shape = make_shape(2, 33, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    write(tmp_path, shape=shape, entries={tables.problem_class_key(shape): {
+        (2, 64): make_entry(block_n=16, block_m=16, num_kv_splits=64)}})
+    tables.set_config_path(tmp_path)
+    tables.set_device_info_override(H200)
+    selected = select_config(shape, CPU)
+    assert selected.source == "table" and selected.bucket == (2, 64)
+    assert selected.kernel_config.num_kv_splits == 3
+    assert any(a.startswith("num_kv_splits 64 -> 3") for a in selected.adjustments)
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing: merge, atomic replace, concurrent merges
+# ------------------------------------------------------------------------------------------------
+
+
+def test_merge_entries_merges(tmp_path, caplog):
+    k1 = tables.problem_class_key(make_shape())
+    k2 = tables.problem_class_key(make_shape(head_dim=64))
+    path = tmp_path / "NVIDIA_H200.json"
+    first = {k1: {(1, 64): make_entry(1), (2, 64): make_entry(1)}}
+    tables.merge_entries(path, H200, first, {"a": 1})
+    created = json.loads(path.read_text())["created"]
+    tables.merge_entries(path, H200, {k1: {(2, 64): make_entry(8)}, k2: {(4, 64): make_entry(2)}},
+                         {"a": 2})
+    table = tables.load_table(path)
+    warps = {k: {b: e.kernel_config.num_warps for b, e in v.items()}
+             for k, v in table.entries.items()}
+    assert warps == {k1: {(1, 64): 1, (2, 64): 8}, k2: {(4, 64): 2}}
+    assert table.tuner_settings == {"a": 2} and table.created == created
+    with pytest.raises(ValueError, match="not of 'NVIDIA H200 NVL'"):
+        tables.merge_entries(path, H200_NVL, {k1: {(1, 64): make_entry()}}, {})
+    with pytest.raises(ValueError, match="powers of two"):
+        tables.merge_entries(path, H200, {k1: {(3, 64): make_entry()}}, {})
+    with pytest.raises(ValueError, match="problem class key"):
+        tables.merge_entries(path, H200, {"d=128": {(1, 64): make_entry()}}, {})
+    assert messages(caplog) == []
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "stale"])
+def test_merge_moves_an_unusable_table_aside(damage, tmp_path, caplog):
+    key = tables.problem_class_key(make_shape())
+    path = write(tmp_path)
+    if damage == "corrupt":
+        path.write_text(path.read_text()[:100])
+    else:
+        path.write_text(path.read_text().replace(tables.kernel_source_hash(), "0" * 16))
+    tables.merge_entries(path, H200, {key: {(1, 64): make_entry(8)}}, {})
+    assert set(tables.load_table(path).entries[key]) == {(1, 64)}
+    [aside] = tmp_path.glob(f"NVIDIA_H200.json.{damage}-*")
+    assert aside.stat().st_size > 0
+    [msg] = messages(caplog)
+    assert str(aside) in msg
+
+
+def test_readers_never_see_a_partial_table(tmp_path, caplog):
+    key = tables.problem_class_key(make_shape())
+    buckets = {(1 << i, 1 << j): None for i in range(6) for j in range(6, 14)}
+    versions = [{key: {b: make_entry(w) for b in buckets}} for w in (2, 8)]
+    path = tmp_path / "NVIDIA_H200.json"
+    tables.merge_entries(path, H200, versions[0], {})
+    done = threading.Event()
+    seen, errors = set(), []
+
+    def reader():
+        while not done.is_set():
+            try:
+                hit = tables.lookup(make_shape(), CPU, config_dir=tmp_path, device_info=H200)
+                table = tables.load_table(path)
+                assert len(table.entries[key]) == len(buckets)
+                seen.add(hit.kernel_config.num_warps)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(40):
+            tables.merge_entries(path, H200, versions[i % 2], {"i": i})
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    assert errors == [] and seen <= {2, 8} and seen
+    assert messages(caplog) == []
+    # the last write is what a lookup sees now, even if it landed within one timestamp tick
+    assert tables.lookup(make_shape(), CPU, config_dir=tmp_path, device_info=H200) \
+        .kernel_config.num_warps == 8
+
+
+MERGER = textwrap.dedent("""
+    import sys, time, pathlib
+    from tsdecode import tables
+    from tsdecode.configs import KernelConfig
+    path, start, worker = sys.argv[1], pathlib.Path(sys.argv[2]), int(sys.argv[3])
+    info = tables.DeviceInfo("NVIDIA H200", 132, (9, 0), 1)
+    key = "q=bfloat16,kv=bfloat16,o=bfloat16,d=128,g=4,hkv=8,p=16,sq=1,mask=dense"
+    cfg = KernelConfig()
+    pathlib.Path(f"{start}.ready{worker}").touch()
+    while not start.exists():
+        time.sleep(0.01)
+    for i in range(25):
+        entry = tables.TableEntry(cfg, 1.0 + i, 1.0, None, cfg, 2.0, 1.0)
+        tables.merge_entries(path, info, {key: {(1 << worker, 1 << i): entry}}, {"w": worker})
+""")
+
+
+def test_concurrent_merges_from_two_processes_lose_nothing(tmp_path):
+    path, start = tmp_path / "NVIDIA_H200.json", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, "-c", MERGER, str(path), str(start), str(w)],
+                              env=env, stderr=subprocess.PIPE, text=True) for w in (0, 1)]
+    deadline = time.time() + 60
+    while not all((tmp_path / f"go.ready{w}").exists() for w in (0, 1)) and time.time() < deadline:
+        time.sleep(0.02)
+    start.touch()
+    for p in procs:
+        _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err
+    table = tables.load_table(path)
+    [buckets] = table.entries.values()
+    assert set(buckets) == {(1 << w, 1 << i) for w in (0, 1) for i in range(25)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Packaging, end to end, explain, benchmark
+# ------------------------------------------------------------------------------------------------
+
+
+def test_shipped_tables_are_found_in_an_installed_wheel(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(
+        ".git", "__pycache__", "build", "dist", "*.egg-info", ".pytest_cache", ".venv", ".whl"))
+    for old in (src / "tuned_configs").glob("*.json"):
+        old.unlink()
+    write(src / "tuned_configs", device=H100_PCIE, num_warps=2)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", ".", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path / "dist")], cwd=src, check=True, capture_output=True)
+    [wheel] = (tmp_path / "dist").glob("tsdecode-*.whl")
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    probe = textwrap.dedent("""
+        import torch, tsdecode
+        from tsdecode import tables
+        from tsdecode.configs import ProblemShape
+        shape = ProblemShape(batch_size=48, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                             page_size=16, max_kv_len=6000)
+        hit = tables.lookup(shape, torch.device("cpu"), device_info=tables.DeviceInfo(
+            "NVIDIA H100 PCIe", 114, (9, 0), 1))
+        print(tsdecode.__file__, tables.shipped_config_dir(), hit.table_path,
+              hit.kernel_config.num_warps, sep="\\n")
+    """)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != tables.CONFIG_DIR_ENV}
+    env.update(PYTHONPATH=str(site), XDG_CACHE_HOME=str(tmp_path / "empty-cache"),
+               TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=outside, env=env, check=True,
+                         capture_output=True, text=True).stdout.split()
+    package, shipped, table_path, warps = out
+    assert package.startswith(str(site)) and shipped == str(site / "tsdecode" / "tuned_configs")
+    assert table_path == str(site / "tsdecode" / "tuned_configs" / "NVIDIA_H100_PCIe.json")
+    assert warps == "2"
+
+
+def test_plan_picks_a_table_entry_end_to_end(tmp_path, monkeypatch):
+    """CPU: no device properties, so the explicitly given folder's table is used as is."""
+    lens, hq, hkv, d, p = [5, 33], 4, 2, 64, 16
+    shape = ProblemShape(batch_size=2, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                         page_size=p, max_kv_len=max(lens), q_dtype=torch.float16,
+                         kv_dtype=torch.float16, o_dtype=torch.float16)
+    config = KernelConfig(block_n=16, block_m=16, num_kv_splits=2, num_warps=2, num_stages=1)
+    entry = TableEntry(config, 5.0, 100.0, None, KernelConfig(), 6.0, 90.0)
+    write(tmp_path, device=H100_PCIE,
+          entries={tables.problem_class_key(shape): {tables.bucket_of(2, 33): entry}})
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn((8, 2, hkv, p, d), generator=gen).to(torch.float16)
+    block_tables = torch.tensor([[3, 0, 0], [5, 1, 6]], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn((2, hq, d), generator=gen).to(torch.float16)
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan(block_tables, seq_lens, hq, hkv, d, p, q_data_type=torch.float16)
+    assert w.config.source == "table" and w.config.kernel_config == config
+    assert w.config.table_path == str(tmp_path / "NVIDIA_H100_PCIe.json")
+    out = w.run(q, cache)
+    ref = reference_decode(q, cache, block_tables, seq_lens)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_explain(tmp_path):
+    key = tables.problem_class_key(make_shape())
+    write(tmp_path, entries={key: {(64, 8192): make_entry(8, num_kv_splits=4)}})
+    text = tsdecode.explain(40, 3000, 32, 8, 128, config_dir=tmp_path, device_info=H200)
+    assert f"class: {key}" in text and "bucket: (64, 4096)" in text
+    assert f"source: table {tmp_path / 'NVIDIA_H200.json'} bucket (64, 8192)" in text
+    assert "note: nearest bucket (64, 8192) for (40, 3000)" in text
+    assert "(1.25x)" in text and "num_warps=8" in text
+    miss = tsdecode.explain(40, 3000, 32, 8, 64, config_dir=tmp_path, device_info=H200)
+    assert "no entry for this class" in miss and "source: heuristic" in miss
+    assert "no table searched" in tsdecode.explain(1, 10, 8, 8, 128, device="cpu")
+
+
+def test_lookup_benchmark_runs():
+    result = tables.bench_lookup(iterations=200, verbose=False)
+    assert set(result) >= {"exact", "nearest", "miss"}
+    assert all(0 < v < 5000 for v in result.values())  # microseconds; loose: shared CI machines
