@@ -21,6 +21,7 @@ import torch
 import tsdecode
 from tsdecode import tables
 from tsdecode.configs import KernelConfig, ProblemShape, select_config
+from tsdecode.kernels.decode import interpreter_active
 from tsdecode.reference import reference_decode
 from tsdecode.tables import DeviceInfo, TableEntry
 
@@ -502,6 +503,7 @@ def test_shipped_tables_are_found_in_an_installed_wheel(tmp_path):
     assert warps == "2"
 
 
+@pytest.mark.skipif(not interpreter_active(), reason="CPU-interpreter path (GPU: tests/test_tuner.py)")
 def test_plan_picks_a_table_entry_end_to_end(tmp_path, monkeypatch):
     """CPU: no device properties, so the explicitly given folder's table is used as is."""
     lens, hq, hkv, d, p = [5, 33], 4, 2, 64, 16

@@ -179,7 +179,7 @@ def test_resume_after_kill_loses_and_repeats_nothing(tmp_path):
     out = tmp_path / "resume"
     args = [*TINY, "--batch-sizes", "1,3", "--trials", "6", "--block-m", "2,16",
             "--num-kv-splits", "1,2", "--num-warps", "4", "--num-stages", "2", "--out", str(out), *FAST]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "TRITON_INTERPRET": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tuner", *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -370,7 +370,7 @@ def test_cli_empty_grid_file(tmp_path, capsys):
 
 @cpu_only
 def test_cli_error_in_a_subprocess_has_no_traceback():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-m", "tuner", "--preset", "nope"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
@@ -405,7 +405,7 @@ def test_split_choices_cover_powers_waves_and_default():
 def test_gpu_smoke_tuning_end_to_end(tmp_path, monkeypatch):
     """The real pipeline (worker process, compile pool, CUDA graphs) on the smoke preset."""
     out = tmp_path / "gpu"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     r = subprocess.run([sys.executable, "-m", "tuner", "--preset", "smoke", "--trials", "6",
                         "--compile-workers", "2", "--out", str(out), "--no-progress"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

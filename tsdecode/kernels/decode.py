@@ -30,12 +30,15 @@ import triton.language as tl
 from ..configs import KernelConfig
 
 LOG2E = 1.4426950408889634
-# Triton's interpreter computes tl.dot on bf16 (and fp16) inputs wrongly; upcast there only.
-_INTERPRET_ENV = "TRITON_INTERPRET"
+# Whether @triton.jit below made interpreted kernels: triton reads TRITON_INTERPRET when a
+# kernel is decorated, so the value at import is the truth; a later change of the variable in
+# this process does not switch modes. (The interpreter computes tl.dot on bf16/fp16 inputs
+# wrongly, so kernels upcast dot operands to fp32 there only.)
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def interpreter_active() -> bool:
-    return os.environ.get(_INTERPRET_ENV, "0") not in ("", "0")
+    return _INTERPRETING
 
 
 _PDL_CACHE: dict[int, bool] = {}
@@ -53,21 +56,6 @@ def pdl_enabled(device: torch.device) -> bool:
     if index not in _PDL_CACHE:
         _PDL_CACHE[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_CACHE[index]
-
-
-@triton.jit
-def _tile_pages(bt_row, tile, tile_end, kv_len, offs_n, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Page IDs (int64) of one K/V tile: a scalar when the tile lies in one page, else one per
-    token. A tile at or past tile_end (the prefetch after the last one) reads the last live
-    tile's page instead (scalar) or nothing (masked): only live block-table columns are read."""
-    if PAGE_SIZE % BLOCK_N == 0:
-        t = tl.maximum(tl.minimum(tile, tile_end - 1), 0)
-        pages = tl.load(bt_row + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
-    else:
-        n = tile * BLOCK_N + offs_n
-        pages = tl.load(bt_row + n // PAGE_SIZE, mask=n < tl.minimum(kv_len, tile_end * BLOCK_N), other=0)
-        pages = pages.to(tl.int64)
-    return pages
 
 
 @triton.jit
@@ -178,21 +166,18 @@ def _split_kv_kernel(
     k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
     v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
     offs_n = tl.arange(0, BLOCK_N)
-    # Page IDs run one tile ahead of the K/V loads (loaded in the previous iteration), so the
-    # K/V addresses of a tile never wait on a page-table load issued in the same iteration.
-    pages_next = _tile_pages(bt_row, tile_begin, tile_end, kv_len, offs_n, BLOCK_N, PAGE_SIZE)
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
-        pages = pages_next
-        pages_next = _tile_pages(bt_row, tile + 1, tile_end, kv_len, offs_n, BLOCK_N, PAGE_SIZE)
         n = tile * BLOCK_N + offs_n
         n_valid = n < kv_len
         if PAGE_SIZE % BLOCK_N == 0:
-            # The whole tile lies in one page: one contiguous K/V tile.
+            # The whole tile lies in one page: one page-ID load, one contiguous K/V tile.
+            page = tl.load(bt_row + (tile * BLOCK_N) // PAGE_SIZE).to(tl.int64)
             tok_off = ((tile * BLOCK_N) % PAGE_SIZE + offs_n) * HEAD_DIM
         else:
+            page = tl.load(bt_row + n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
             tok_off = (n % PAGE_SIZE) * HEAD_DIM
-        k_off = pages * stride_k_page + tok_off
-        v_off = pages * stride_v_page + tok_off
+        k_off = page * stride_k_page + tok_off
+        v_off = page * stride_v_page + tok_off
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
