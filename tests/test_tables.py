@@ -547,3 +547,28 @@ def test_lookup_benchmark_runs():
     result = tables.bench_lookup(iterations=200, verbose=False)
     assert set(result) >= {"exact", "nearest", "miss"}
     assert all(0 < v < 5000 for v in result.values())  # microseconds; loose: shared CI machines
+
+
+def test_table_entry_from_another_batch_size_keeps_its_program_count(tmp_path):
+    """B=16 served by the B=32 bucket's entry: twice the splits (same programs per wave)."""
+    from tsdecode.configs import scale_splits_to_batch
+
+    tuned = KernelConfig(block_n=64, block_m=16, num_kv_splits=2)
+    scaled, notes = scale_splits_to_batch(tuned, 32, 16)
+    assert scaled.num_kv_splits == 4 and "scaled to keep its program count" in notes[0]
+    assert scale_splits_to_batch(tuned, 16, 16) == (tuned, ())
+    assert scale_splits_to_batch(tuned, 32, 128)[0].num_kv_splits == 1
+    # through select_config: a nearest-bucket hit gets the scaled split count
+    key = tables.problem_class_key(make_shape())
+    write(tmp_path, entries={key: {(32, 8192): make_entry(num_kv_splits=2)}})
+    tables.clear_cache()
+    tables.set_config_path(tmp_path)
+    tables.set_device_info_override(H200)
+    try:
+        sel = select_config(make_shape(batch_size=16, kv_len=8192), CPU)
+    finally:
+        tables.set_config_path(None)
+        tables.set_device_info_override(None)
+        tables.clear_cache()
+    assert sel.source == "table" and sel.kernel_config.num_kv_splits == 4
+    assert any("scaled" in a for a in sel.adjustments)

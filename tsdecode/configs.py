@@ -204,6 +204,25 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     return fit_config(config, shape)[0]
 
 
+def scale_splits_to_batch(
+    config: KernelConfig, tuned_batch_size: int, batch_size: int
+) -> tuple[KernelConfig, tuple[str, ...]]:
+    """Keep the program count of a config tuned at another batch size.
+
+    The split count that wins fills the GPU with B * Hkv * num_kv_splits programs, so an entry
+    tuned for batch size tuned_batch_size scales its splits by tuned_batch_size / batch_size
+    (measured on an H200: B=16 with the B=32 entry's 2 splits ran 168 us, with 4 splits 135 us).
+    """
+    if tuned_batch_size == batch_size:
+        return config, ()
+    splits = max(1, min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * tuned_batch_size / batch_size)))
+    if splits == config.num_kv_splits:
+        return config, ()
+    note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: entry tuned at batch size "
+            f"{tuned_batch_size}, scaled to keep its program count at batch size {batch_size}")
+    return dataclasses.replace(config, num_kv_splits=splits), (note,)
+
+
 @dataclass(frozen=True)
 class SelectedConfig:
     """The config a plan uses and where it came from.
@@ -248,7 +267,9 @@ def select_config(
 
     hit = tables.lookup(shape, device)
     if hit is not None:
-        fitted, changes = fit_config(hit.kernel_config, shape)
+        config, scaled = scale_splits_to_batch(hit.kernel_config, hit.bucket[0], shape.batch_size)
+        fitted, changes = fit_config(config, shape)
+        changes = scaled + changes
         return SelectedConfig(
             fitted, "table", table_path=hit.table_path, bucket=hit.bucket,
             adjustments=hit.notes + changes,
