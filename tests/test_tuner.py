@@ -25,6 +25,17 @@ from tuner.cli import main
 from tuner.grids import PRESETS, ShapeSpec
 from tuner.runner import plan_kwargs
 
+
+@pytest.fixture(autouse=True)
+def _restore_triton_interpret(monkeypatch):
+    """tuner.cli.select_device sets TRITON_INTERPRET in os.environ for CPU runs; restore the
+    variable after each test so later tests and their subprocesses see this process's mode."""
+    if "TRITON_INTERPRET" in os.environ:
+        monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        monkeypatch.delenv("TRITON_INTERPRET")  # recorded as absent: undo deletes it again
+
 REPO = Path(__file__).resolve().parent.parent
 HOOKS = f"{Path(__file__).resolve()}"
 # One tiny class: B in {1, 3}, L = 40, Hq=4, Hkv=2, D=64 (fast in the interpreter).
@@ -406,6 +417,7 @@ def test_gpu_smoke_tuning_end_to_end(tmp_path, monkeypatch):
     """The real pipeline (worker process, compile pool, CUDA graphs) on the smoke preset."""
     out = tmp_path / "gpu"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)  # the GPU pipeline, whatever this process runs in
     r = subprocess.run([sys.executable, "-m", "tuner", "--preset", "smoke", "--trials", "6",
                         "--compile-workers", "2", "--out", str(out), "--no-progress"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
