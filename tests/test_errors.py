@@ -35,7 +35,7 @@ ONESHOT_ERRORS = {
     "q fp32": (dict(q="fp32"), TypeError, "q dtype"),
     "q 2-D": (dict(q="2d"), ValueError, "q must be"),
     "q head dim": (dict(q="d32"), ValueError, "head dim"),
-    "q batch": (dict(q="b3"), ValueError, "q must have shape"),
+    "q batch": (dict(q="b3"), ValueError, "q must have the planned shape"),
     "q heads not multiple": (dict(q="h3"), ValueError, "multiple of num_kv_heads"),
     "q dtype vs cache": (dict(q="fp16"), TypeError, "needs q of the same dtype"),
     "cache 4-D": (dict(paged_kv_cache="4d"), ValueError, "paged_kv_cache must be"),
@@ -172,7 +172,7 @@ def test_run_checks_against_plan(inp, what):
     if what == "q dtype":
         q, exc, pattern = q.half(), TypeError, "q dtype must be"
     elif what == "q shape":
-        q, pattern = q[:1], "q must have shape"
+        q, pattern = q[:1], "q must have the planned shape"
     elif what == "cache dtype":
         cache, exc, pattern = cache.half(), TypeError, "paged_kv_cache dtype"
     elif what == "cache geometry":
@@ -189,6 +189,6 @@ def test_run_checks_against_plan(inp, what):
 def test_cpu_tensors_need_interpreter(inp, monkeypatch):
     if DEVICE.type == "cuda":
         pytest.skip("checks the CPU path")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(tsdecode.api, "interpreter_active", lambda: False)  # as if compiled for a GPU
     with pytest.raises(ValueError, match="CUDA device"):
         plan(inp)

@@ -287,19 +287,27 @@ def expected_q_shape(
     return (batch, seq_len_q, num_qo_heads, head_dim)
 
 
+def _validate_io_tensor(
+    name: str, t: object, shape: tuple[int, ...], shape_desc: str, dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Shape, dtype, device and a contiguous head dim for q or out."""
+    t = require_tensor(name, t)
+    if _shape(t) != shape:
+        raise ValueError(f"{name} must have {shape_desc} {list(shape)}, got {list(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} dtype must be {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in the head dim (stride(-1) == 1), got {t.stride()}")
+    return t
+
+
 def validate_query(
     q: object, shape: tuple[int, ...], q_dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    q = require_tensor("q", q)
-    if _shape(q) != shape:
-        raise ValueError(f"q must have shape {list(shape)} (as planned), got {list(q.shape)}")
-    if q.dtype != q_dtype:
-        raise TypeError(f"q dtype must be {q_dtype} (as planned), got {q.dtype}")
-    if q.device != device:
-        raise ValueError(f"q must be on {device}, got {q.device}")
-    if q.stride(-1) != 1:
-        raise ValueError(f"q must be contiguous in the head dim (stride(-1) == 1), got {q.stride()}")
-    return q
+    return _validate_io_tensor("q", q, shape, "the planned shape", q_dtype, device)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -313,15 +321,7 @@ def validate_out(
     out: object, shape: tuple[int, ...], o_dtype: torch.dtype, device: torch.device,
     inputs: dict[str, torch.Tensor],
 ) -> torch.Tensor:
-    out = require_tensor("out", out)
-    if _shape(out) != shape:
-        raise ValueError(f"out must have q's shape {list(shape)}, got {list(out.shape)}")
-    if out.dtype != o_dtype:
-        raise TypeError(f"out dtype must be {o_dtype}, got {out.dtype}")
-    if out.device != device:
-        raise ValueError(f"out must be on {device}, got {out.device}")
-    if out.stride(-1) != 1:
-        raise ValueError(f"out must be contiguous in the head dim (stride(-1) == 1), got {out.stride()}")
+    out = _validate_io_tensor("out", out, shape, "q's shape", o_dtype, device)
     lo, hi = _span(out)
     for name, t in inputs.items():
         if t.numel() == 0:

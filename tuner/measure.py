@@ -122,47 +122,13 @@ def make_inputs(spec: ShapeSpec, device: torch.device | str, copies: int = 1, se
 
 
 def graph_time_us(calls: Sequence[Callable[[], object]], replay_ms: float = 80.0, min_replays: int = 5) -> float:
-    """Median time of one call (us): all ``calls`` captured back to back in one CUDA graph,
-    replayed for about ``replay_ms``; median replay time / len(calls). Calls are warmed first."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    one_ms = max(start.elapsed_time(end), 1e-3)
-    replays = max(min_replays, int(replay_ms / one_ms))
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) * 1000.0 / len(calls)
+    """Median time of one call (us): the median of ``graph_times_us``."""
+    return statistics.median(graph_times_us(calls, replay_ms, min_replays))
 
 
 def wall_time_us(call: Callable[[], object], repeats: int = 1) -> float:
     """Wall-clock median (us); for CPU/interpreter runs, where times mean nothing."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return statistics.median(wall_times_us(call, repeats))
 
 
 def copy_bandwidth_gbs(device: torch.device | str = "cuda", nbytes: int = 2 * 2**30, repeats: int = 20) -> float:
