@@ -2,7 +2,8 @@
 # One GPU call: install carried wheels, run the GPU tests, then benchmarks (and optionally tuning
 # and a report). Usage: scripts/gpu_check.sh [STEP ...]   steps: tests bench targets sweep tune report
 # Default: tests bench. TUNE_ARGS / REPORT_ARGS override the tune / report grids and budgets;
-# BENCH_ONLY limits the targets step to shapes whose name contains it. Logs and CSVs go to $OUT (the device tool's output folder) or ./gpu_out.
+# BENCH_ONLY limits the targets step to shapes whose name contains it.
+# Logs and CSVs go to $OUT (the device tool's output folder) or ./gpu_out.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
