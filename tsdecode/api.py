@@ -57,10 +57,10 @@ def _plan_host_values(
     else:
         pages_per_row = (lens + page_size - 1) // page_size
     live = torch.arange(cols, device=block_tables.device)[None, :] < pages_per_row[:, None]
-    table = block_tables[:, :cols].to(torch.int64)
-    big = torch.iinfo(torch.int64).max
-    min_page = torch.where(live, table, big).min().reshape(1)
-    max_page = torch.where(live, table, -1).max().reshape(1)
+    # int32 temporaries like the table itself (an int64 [B, C] copy would double a large table)
+    big = torch.iinfo(torch.int32).max
+    min_page = torch.where(live, block_tables, big).min().reshape(1).to(torch.int64)
+    max_page = torch.where(live, block_tables, -1).max().reshape(1).to(torch.int64)
     parts = [seq_lens.to(torch.int64), min_page, max_page]
     if qo_indptr is not None:
         parts.append(qo_indptr.to(torch.int64))
