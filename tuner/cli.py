@@ -87,34 +87,27 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
-    return value
+def _bounded(kind: type, minimum: float, strict: bool):
+    """An argparse type: ``kind`` (int or float) at least ``minimum`` (above it if ``strict``)."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if value < minimum or (strict and value == minimum):
+            raise argparse.ArgumentTypeError(
+                f"expected {noun} {'>' if strict else '>='} {minimum}, got {text!r}"
+            )
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+_positive_float = _bounded(float, 0, strict=True)
+_positive_int = _bounded(int, 1, strict=False)
+_nonneg_int = _bounded(int, 0, strict=False)
 
 
 def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool) -> None:
