@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU call: install carried wheels, run the GPU tests, then benchmarks (and optionally tuning
-# and a report). Usage: scripts/gpu_check.sh [STEP ...]   steps: tests bench targets sweep tune report
+# and a report). Usage: scripts/gpu_check.sh [STEP ...]   steps: tests bench nopdl sweep sweepsel
+# fp8bf16 targets heldout occupancy tune report.
 # Default: tests bench. TUNE_ARGS / REPORT_ARGS override the tune / report grids and budgets;
-# BENCH_ONLY limits the targets step to shapes whose name contains it.
+# BENCH_ONLY limits the targets step to shapes whose name contains one of its comma-separated
+# texts; SWEEP_ONLY picks the target shapes the sweepsel step sweeps.
 # Logs and CSVs go to $OUT (the device tool's output folder) or ./gpu_out.
 set -u
 cd "$(dirname "$0")/.."
@@ -27,8 +29,11 @@ for step in $steps; do
     bench)   python3 scripts/bench_decode.py --suite llama --csv "$OUT/bench_llama.csv" 2>&1 | tee "$OUT/bench_llama.log" ;;
     nopdl)   TSDECODE_DISABLE_PDL=1 python3 scripts/bench_decode.py --suite llama --only B1_ 2>&1 | tee "$OUT/bench_nopdl.log" ;;
     sweep)   python3 scripts/bench_decode.py --suite llama --sweep --csv "$OUT/sweep_llama.csv" > "$OUT/sweep_llama.log" 2>&1; grep -v "^#   " "$OUT/sweep_llama.log" ;;
+    sweepsel) python3 scripts/bench_decode.py --suite targets --sweep --only "${SWEEP_ONLY:-B8_L8192_H32}" --csv "$OUT/sweepsel.csv" > "$OUT/sweepsel.log" 2>&1; grep -v "^#   " "$OUT/sweepsel.log" ;;
     fp8bf16) TSDECODE_FP8_COMPUTE=bfloat16 python3 scripts/bench_decode.py --suite targets --only float8 2>&1 | tee "$OUT/targets_fp8_bf16.log" ;;
     targets) python3 scripts/bench_decode.py --suite targets ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/targets.csv" 2>&1 | tee "$OUT/targets.log" ;;
+    occupancy) python3 scripts/occupancy.py 2>&1 | tee "$OUT/occupancy.log" ;;
+    heldout) python3 scripts/bench_decode.py --suite heldout --csv "$OUT/heldout.csv" 2>&1 | tee "$OUT/heldout.log" | grep -v "^#   " ;;
     tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "$OUT/tuned" 2>&1 | tee "$OUT/tune.log" | tail -40 ;;
     report)  python3 -m tuner report ${REPORT_ARGS:---preset llama3-8b} --out "$OUT/report" 2>&1 | tee "$OUT/report.log" | tail -30 ;;
     *) echo "unknown step $step"; rc=2 ;;

@@ -192,14 +192,23 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     base_programs = shape.batch_size * shape.num_kv_heads * m_blocks
     target_programs = 4 * max(1, num_sms)
     num_kv_splits = 1
+    num_warps = 4
     if base_programs < target_programs:
         num_kv_splits = max(1, target_programs // base_programs)
         num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 64))
+    elif shape.kv_dtype == torch.float8_e4m3fn:
+        # fp8 caches: converting K/V costs more per byte than the bf16 path's loads, and many
+        # lean programs (2 warps, ~46 per SM, splits of >= 1k tokens) hide it best: every tuned
+        # H200 fp8 bucket at B*Hkv >= 1024 won with 2-6 splits and 1-2 warps, 1.35-1.65x over
+        # the bf16 rule (docs/perf-notes.md, "Tuning the fp8 class").
+        num_kv_splits = max(1, min(round(46 * num_sms / base_programs), shape.max_kv_len // 1024))
+        num_warps = 2
     elif shape.max_kv_len >= 8192:
         block_n = 32
         num_kv_splits = min(8, shape.max_kv_len // 4096)
     config = KernelConfig(
-        block_n=block_n, block_m=block_m, num_kv_splits=num_kv_splits, num_warps=4, num_stages=2
+        block_n=block_n, block_m=block_m, num_kv_splits=num_kv_splits, num_warps=num_warps,
+        num_stages=2,
     )
     return fit_config(config, shape)[0]
 

@@ -69,7 +69,7 @@ def _split_kv_kernel(
     window_left,
     max_kv_len,  # live lengths are clamped to this (plan-validated block-table columns)
     num_kv_heads,
-    num_kv_splits,  # runtime value: changing it does not recompile
+    num_kv_splits,  # runtime value: changing it does not recompile this kernel
     # strides (elements); q/out token strides apply within a request, batch strides across
     stride_q_batch, stride_q_tok, stride_q_head,
     stride_o_batch, stride_o_tok, stride_o_head,
@@ -248,9 +248,16 @@ def _merge_kernel(
     BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """out[tok, head] = bmm2_scale * sum_s w_s o_s / sum_s w_s, w_s = exp2(lse_s - max lse)."""
+    """out[tok, head] = bmm2_scale * sum_s w_s o_s / sum_s w_s, w_s = exp2(lse_s - max lse).
+
+    BLOCK_S covers all splits in one pass up to 16384 / BLOCK_D of them (the launcher's choice),
+    so at most one dependent round trip to the partials: the o loads do not wait for the lse
+    loads (every split < num_kv_splits wrote its partial; empty splits wrote o = 0, lse = -inf).
+    """
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the split pass's partials are complete and visible
+        # The next kernel in the stream may launch now; it waits for this grid before loading.
+        tl.extra.cuda.gdc_launch_dependents()
     gtok = tl.program_id(0)
     head = tl.program_id(1)
     if PACKED:
@@ -272,14 +279,14 @@ def _merge_kernel(
         offs_s = s0 + tl.arange(0, BLOCK_S)
         s_valid = offs_s < num_kv_splits
         lse = tl.load(lse_row + offs_s, mask=s_valid, other=float("-inf"))
+        o = tl.load(
+            po_row + offs_s[:, None] * stride_po_split + offs_d[None, :],
+            mask=s_valid[:, None] & d_valid[None, :], other=0.0,
+        )
         live = lse > float("-inf")
         m_new = tl.maximum(m_run, tl.max(lse, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         w = tl.where(live, tl.exp2(lse - m_safe), 0.0)
-        o = tl.load(
-            po_row + offs_s[:, None] * stride_po_split + offs_d[None, :],
-            mask=live[:, None] & d_valid[None, :], other=0.0,
-        )
         alpha = tl.exp2(m_run - m_safe)
         acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
         w_sum = w_sum * alpha + tl.sum(w, axis=0)
@@ -412,11 +419,15 @@ def launch_decode(
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     if splits > 1:
+        # One [BLOCK_S, BLOCK_D] fp32 tile of partials per program: all splits at once up to
+        # 16384 elements (64 registers a thread at 8 warps), one warp per 1024 elements.
+        merge_block_s = min(triton.next_power_of_2(splits), max(16384 // block_d, 1))
+        merge_warps = max(2, min(8, merge_block_s * block_d // 1024))
         _merge_kernel[(g.total_q, g.num_qo_heads)](
             partial_o, partial_lse, out, float(bmm2_scale), splits,
             *po_strides, *lse_strides,
             so_b, so_t, so_h,
             HEAD_DIM=g.head_dim, BLOCK_D=block_d, SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed,
-            BLOCK_S=min(triton.next_power_of_2(splits), 16), USE_PDL=pdl,
-            num_warps=4 if block_d >= 128 else 2, **({"launch_pdl": True} if pdl else {}),
+            BLOCK_S=merge_block_s, USE_PDL=pdl,
+            num_warps=merge_warps, **({"launch_pdl": True} if pdl else {}),
         )
