@@ -59,6 +59,73 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 @triton.jit
+def _tile_page_ids(bt_row, tile, kv_lim, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Page IDs of one K/V tile: a scalar if the tile lies in one page, else one per token.
+    kv_lim: keys at or past it are not loaded (kv_len, or 0 for a tile that does not exist; a
+    dead tile's page ID is then meaningless and the K/V loads mask it out)."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        # A dead tile reads column 0 (always present) rather than a masked scalar load.
+        page = tl.load(bt_row + tl.where(tile * BLOCK_N < kv_lim, (tile * BLOCK_N) // PAGE_SIZE, 0))
+    else:
+        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        page = tl.load(bt_row + n // PAGE_SIZE, mask=n < kv_lim, other=0)
+    return page.to(tl.int64)
+
+
+@triton.jit
+def _tile_kv(k_head, v_head, page, tile, kv_lim, stride_k_page, stride_v_page,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+             PAGE_SIZE: tl.constexpr):
+    """K and V tiles [BLOCK_N, BLOCK_D] of one tile given its page IDs (zeros from kv_lim on)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    n = tile * BLOCK_N + offs_n
+    offs_d = tl.arange(0, BLOCK_D)
+    if PAGE_SIZE % BLOCK_N == 0:
+        tok_off = ((tile * BLOCK_N) % PAGE_SIZE + offs_n) * HEAD_DIM
+    else:
+        tok_off = (n % PAGE_SIZE) * HEAD_DIM
+    kv_mask = (n < kv_lim)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(k_head + (page * stride_k_page + tok_off)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_head + (page * stride_v_page + tok_off)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, n, row_lo, row_end, m_i, l_i, acc, qk_scale_log2,
+                 USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+    """One online-softmax step over a K/V tile (keys n); returns the updated (m, l, acc)."""
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        k = k.to(COMPUTE_DTYPE)
+        v = v.to(COMPUTE_DTYPE)
+    if USE_DOT:
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+    else:
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    s = s * qk_scale_log2
+    visible = (n[None, :] < row_end[:, None]) & (n[None, :] >= row_lo[:, None])
+    s = tl.where(visible, s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Rows with nothing visible yet keep m = -inf; subtract 0 instead to avoid inf - inf.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        if DOT_FP32:
+            pv = tl.dot(p, v, out_dtype=tl.float32)
+        else:
+            pv = tl.dot(p.to(COMPUTE_DTYPE), v, out_dtype=tl.float32)
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    acc = acc * alpha[:, None] + pv
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _split_kv_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qo_indptr_ptr,
@@ -95,6 +162,7 @@ def _split_kv_kernel(
     DOT_FP32: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    KV_PREFETCH: tl.constexpr,  # issue the next tile's K/V loads before this tile's math
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm90+)
 ):
     if USE_PDL:
@@ -166,51 +234,36 @@ def _split_kv_kernel(
     k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
     v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
     offs_n = tl.arange(0, BLOCK_N)
-    for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
-        n = tile * BLOCK_N + offs_n
-        n_valid = n < kv_len
-        if PAGE_SIZE % BLOCK_N == 0:
-            # The whole tile lies in one page: one page-ID load, one contiguous K/V tile.
-            page = tl.load(bt_row + (tile * BLOCK_N) // PAGE_SIZE).to(tl.int64)
-            tok_off = ((tile * BLOCK_N) % PAGE_SIZE + offs_n) * HEAD_DIM
-        else:
-            page = tl.load(bt_row + n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
-            tok_off = (n % PAGE_SIZE) * HEAD_DIM
-        k_off = page * stride_k_page + tok_off
-        v_off = page * stride_v_page + tok_off
-        kv_mask = n_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        else:
-            k = k.to(COMPUTE_DTYPE)
-            v = v.to(COMPUTE_DTYPE)
-
-        if USE_DOT:
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
-        else:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        s = s * qk_scale_log2
-        visible = (n[None, :] < row_end[:, None]) & (n[None, :] >= row_lo[:, None])
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows with nothing visible yet keep m = -inf; subtract 0 instead to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            if DOT_FP32:
-                pv = tl.dot(p, v, out_dtype=tl.float32)
-            else:
-                pv = tl.dot(p.to(COMPUTE_DTYPE), v, out_dtype=tl.float32)
-        else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    if KV_PREFETCH:
+        # Manual software pipeline through the page table: page IDs two tiles ahead, K/V one
+        # tile ahead (in registers), so a tile's loads are in flight during the previous tile's
+        # math. Triton's pipeliner is not used for this loop.
+        # kv_lim = 0 marks a tile past this split's range (nothing loaded).
+        lim0 = tl.where(tile_begin < tile_end, kv_len, 0)
+        lim1 = tl.where(tile_begin + 1 < tile_end, kv_len, 0)
+        page_cur = _tile_page_ids(bt_row, tile_begin, lim0, BLOCK_N, PAGE_SIZE)
+        page_nxt = _tile_page_ids(bt_row, tile_begin + 1, lim1, BLOCK_N, PAGE_SIZE)
+        k_cur, v_cur = _tile_kv(k_head, v_head, page_cur, tile_begin, lim0, stride_k_page,
+                                stride_v_page, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE)
+        for tile in tl.range(tile_begin, tile_end, num_stages=1):
+            lim_nxt = tl.where(tile + 1 < tile_end, kv_len, 0)
+            k_nxt, v_nxt = _tile_kv(k_head, v_head, page_nxt, tile + 1, lim_nxt, stride_k_page,
+                                    stride_v_page, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE)
+            page_nxt = _tile_page_ids(bt_row, tile + 2, tl.where(tile + 2 < tile_end, kv_len, 0),
+                                      BLOCK_N, PAGE_SIZE)
+            m_i, l_i, acc = _attend_tile(
+                q, k_cur, v_cur, tile * BLOCK_N + offs_n, row_lo, row_end, m_i, l_i, acc,
+                qk_scale_log2, USE_DOT, DOT_FP32, COMPUTE_DTYPE)
+            k_cur = k_nxt
+            v_cur = v_nxt
+    else:
+        for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
+            page = _tile_page_ids(bt_row, tile, kv_len, BLOCK_N, PAGE_SIZE)
+            k, v = _tile_kv(k_head, v_head, page, tile, kv_len, stride_k_page, stride_v_page,
+                            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE)
+            m_i, l_i, acc = _attend_tile(
+                q, k, v, tile * BLOCK_N + offs_n, row_lo, row_end, m_i, l_i, acc,
+                qk_scale_log2, USE_DOT, DOT_FP32, COMPUTE_DTYPE)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -314,6 +367,9 @@ def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tl.dtype:
     return _TL_DTYPES.get(q_dtype, tl.float16)
 
 
+# Measurement switch: TSDECODE_KV_PREFETCH=1 uses the manual K/V prefetch loop.
+_KV_PREFETCH = os.environ.get("TSDECODE_KV_PREFETCH", "0") == "1"
+
 # Measurement switch (TSDECODE_FP8_COMPUTE=bfloat16 keeps a bf16 query's dtype for fp8 caches).
 _FP8_COMPUTE = os.environ.get("TSDECODE_FP8_COMPUTE", "float16")
 
@@ -415,7 +471,8 @@ def launch_decode(
         SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed, CAUSAL=g.causal, WINDOW=g.window_left >= 0,
         NUM_M_BLOCKS=num_m_blocks, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot, DOT_FP32=interp,
-        COMPUTE_DTYPE=compute_dtype(q.dtype, k_cache.dtype), NUM_STAGES=config.num_stages, USE_PDL=pdl,
+        COMPUTE_DTYPE=compute_dtype(q.dtype, k_cache.dtype), NUM_STAGES=config.num_stages,
+        KV_PREFETCH=_KV_PREFETCH, USE_PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     if splits > 1:
