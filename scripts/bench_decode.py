@@ -117,7 +117,7 @@ def own_best_search(spec: ShapeSpec, sets, start: KernelConfig, num_sms: int, re
          for bn, w, st in tiles for n in sorted(around)])
     best = min(timed, key=timed.get)
     run([dataclasses.replace(best, num_kv_splits=n) for n in split_set])
-    return sorted((us, c) for c, us in timed.items())
+    return sorted(((us, c) for c, us in timed.items()), key=lambda t: t[0])
 
 
 def run_heldout(args, dev, copy_gbs: float, num_sms: int) -> list[dict]:

@@ -145,3 +145,29 @@ def test_oneshot_refuses_capture():
         with pytest.raises(RuntimeError, match="CUDA graph"):
             with torch.cuda.graph(g):
                 tsdecode.batch_decode_with_paged_kv_cache(inp.q, inp.cache, inp.block_tables, inp.seq_lens)
+
+
+def _compiled_kernel_count() -> int:
+    from tsdecode.kernels import decode
+
+    total = 0
+    for fn in (decode._split_kv_kernel, decode._merge_kernel):
+        for cache in fn.device_caches.values():
+            total += len(cache[0] if isinstance(cache, tuple) else cache)
+    return total
+
+
+@pytest.mark.parametrize("lens,splits", [((900,), 66), ((300,) * 40, 3), ((5000, 17, 64), 128)])
+def test_plan_compiles_every_kernel_run_uses(lens, splits):
+    """run() after plan() compiles nothing (capture-safe): the warm-up launch in plan() picks the
+    same split and merge kernels, including the merge's head-dim slicing for the real grid."""
+    case = Case(lens=lens, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                config=KernelConfig(block_n=16, block_m=16, num_kv_splits=splits, num_warps=2, num_stages=3))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    before = _compiled_kernel_count()
+    out = poisoned_out(case, inp)
+    w.run(inp.q, inp.cache, out=out)
+    torch.cuda.synchronize()
+    assert _compiled_kernel_count() == before
+    check(case, out, reference(case, inp))

@@ -282,7 +282,7 @@ def _warm_up(plan: _Plan) -> None:
     scratch = allocate_scratch(geometry, config, dev)
     launch_decode(
         q, cache[:, 0], cache[:, 1], plan.block_tables, seq_lens, indptr, out, scratch,
-        geometry, config, 1.0, 1.0,
+        geometry, config, 1.0, 1.0, merge_total_q=g.total_q,
     )
 
 

@@ -11,7 +11,7 @@ softmax (base 2, scale folded in) and writes either the final output (one split)
 normalised partial output and its log2-sum-exp to fp32 scratch.
 
 Pass 2 (``_merge_kernel``, only when num_kv_splits > 1): one program per (query token, query
-head) combines the splits' partials weighted by exp2(lse - max).
+head, head-dim slice) combines the splits' partials weighted by exp2(lse - max).
 
 The grid depends only on plan-time values (batch size, heads, packed-row capacity, split count),
 so a captured graph replays with live lengths: each request's visible tile range is divided
@@ -44,6 +44,19 @@ def interpreter_active() -> bool:
 _PDL_CACHE: dict[int, bool] = {}
 
 
+_SM_CACHE: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """SM count (cached; the launcher must not query the driver per call); 132 off CUDA."""
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_CACHE:
+        _SM_CACHE[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_CACHE[index]
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Programmatic dependent launch: on for sm90+ CUDA devices unless TSDECODE_DISABLE_PDL=1.
 
@@ -56,73 +69,6 @@ def pdl_enabled(device: torch.device) -> bool:
     if index not in _PDL_CACHE:
         _PDL_CACHE[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _PDL_CACHE[index]
-
-
-@triton.jit
-def _tile_page_ids(bt_row, tile, kv_lim, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Page IDs of one K/V tile: a scalar if the tile lies in one page, else one per token.
-    kv_lim: keys at or past it are not loaded (kv_len, or 0 for a tile that does not exist; a
-    dead tile's page ID is then meaningless and the K/V loads mask it out)."""
-    if PAGE_SIZE % BLOCK_N == 0:
-        # A dead tile reads column 0 (always present) rather than a masked scalar load.
-        page = tl.load(bt_row + tl.where(tile * BLOCK_N < kv_lim, (tile * BLOCK_N) // PAGE_SIZE, 0))
-    else:
-        n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        page = tl.load(bt_row + n // PAGE_SIZE, mask=n < kv_lim, other=0)
-    return page.to(tl.int64)
-
-
-@triton.jit
-def _tile_kv(k_head, v_head, page, tile, kv_lim, stride_k_page, stride_v_page,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-             PAGE_SIZE: tl.constexpr):
-    """K and V tiles [BLOCK_N, BLOCK_D] of one tile given its page IDs (zeros from kv_lim on)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    n = tile * BLOCK_N + offs_n
-    offs_d = tl.arange(0, BLOCK_D)
-    if PAGE_SIZE % BLOCK_N == 0:
-        tok_off = ((tile * BLOCK_N) % PAGE_SIZE + offs_n) * HEAD_DIM
-    else:
-        tok_off = (n % PAGE_SIZE) * HEAD_DIM
-    kv_mask = (n < kv_lim)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_head + (page * stride_k_page + tok_off)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_head + (page * stride_v_page + tok_off)[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    return k, v
-
-
-@triton.jit
-def _attend_tile(q, k, v, n, row_lo, row_end, m_i, l_i, acc, qk_scale_log2,
-                 USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
-    """One online-softmax step over a K/V tile (keys n); returns the updated (m, l, acc)."""
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    else:
-        k = k.to(COMPUTE_DTYPE)
-        v = v.to(COMPUTE_DTYPE)
-    if USE_DOT:
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
-    else:
-        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-    s = s * qk_scale_log2
-    visible = (n[None, :] < row_end[:, None]) & (n[None, :] >= row_lo[:, None])
-    s = tl.where(visible, s, float("-inf"))
-
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    # Rows with nothing visible yet keep m = -inf; subtract 0 instead to avoid inf - inf.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if USE_DOT:
-        if DOT_FP32:
-            pv = tl.dot(p, v, out_dtype=tl.float32)
-        else:
-            pv = tl.dot(p.to(COMPUTE_DTYPE), v, out_dtype=tl.float32)
-    else:
-        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-    acc = acc * alpha[:, None] + pv
-    return m_new, l_i, acc
 
 
 @triton.jit
@@ -162,7 +108,6 @@ def _split_kv_kernel(
     DOT_FP32: tl.constexpr,
     COMPUTE_DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
-    KV_PREFETCH: tl.constexpr,  # issue the next tile's K/V loads before this tile's math
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm90+)
 ):
     if USE_PDL:
@@ -234,36 +179,51 @@ def _split_kv_kernel(
     k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
     v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
     offs_n = tl.arange(0, BLOCK_N)
-    if KV_PREFETCH:
-        # Manual software pipeline through the page table: page IDs two tiles ahead, K/V one
-        # tile ahead (in registers), so a tile's loads are in flight during the previous tile's
-        # math. Triton's pipeliner is not used for this loop.
-        # kv_lim = 0 marks a tile past this split's range (nothing loaded).
-        lim0 = tl.where(tile_begin < tile_end, kv_len, 0)
-        lim1 = tl.where(tile_begin + 1 < tile_end, kv_len, 0)
-        page_cur = _tile_page_ids(bt_row, tile_begin, lim0, BLOCK_N, PAGE_SIZE)
-        page_nxt = _tile_page_ids(bt_row, tile_begin + 1, lim1, BLOCK_N, PAGE_SIZE)
-        k_cur, v_cur = _tile_kv(k_head, v_head, page_cur, tile_begin, lim0, stride_k_page,
-                                stride_v_page, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE)
-        for tile in tl.range(tile_begin, tile_end, num_stages=1):
-            lim_nxt = tl.where(tile + 1 < tile_end, kv_len, 0)
-            k_nxt, v_nxt = _tile_kv(k_head, v_head, page_nxt, tile + 1, lim_nxt, stride_k_page,
-                                    stride_v_page, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE)
-            page_nxt = _tile_page_ids(bt_row, tile + 2, tl.where(tile + 2 < tile_end, kv_len, 0),
-                                      BLOCK_N, PAGE_SIZE)
-            m_i, l_i, acc = _attend_tile(
-                q, k_cur, v_cur, tile * BLOCK_N + offs_n, row_lo, row_end, m_i, l_i, acc,
-                qk_scale_log2, USE_DOT, DOT_FP32, COMPUTE_DTYPE)
-            k_cur = k_nxt
-            v_cur = v_nxt
-    else:
-        for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
-            page = _tile_page_ids(bt_row, tile, kv_len, BLOCK_N, PAGE_SIZE)
-            k, v = _tile_kv(k_head, v_head, page, tile, kv_len, stride_k_page, stride_v_page,
-                            HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE)
-            m_i, l_i, acc = _attend_tile(
-                q, k, v, tile * BLOCK_N + offs_n, row_lo, row_end, m_i, l_i, acc,
-                qk_scale_log2, USE_DOT, DOT_FP32, COMPUTE_DTYPE)
+    for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
+        n = tile * BLOCK_N + offs_n
+        n_valid = n < kv_len
+        if PAGE_SIZE % BLOCK_N == 0:
+            # The whole tile lies in one page: one page-ID load, one contiguous K/V tile.
+            page = tl.load(bt_row + (tile * BLOCK_N) // PAGE_SIZE).to(tl.int64)
+            tok_off = ((tile * BLOCK_N) % PAGE_SIZE + offs_n) * HEAD_DIM
+        else:
+            page = tl.load(bt_row + n // PAGE_SIZE, mask=n_valid, other=0).to(tl.int64)
+            tok_off = (n % PAGE_SIZE) * HEAD_DIM
+        k_off = page * stride_k_page + tok_off
+        v_off = page * stride_v_page + tok_off
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        else:
+            k = k.to(COMPUTE_DTYPE)
+            v = v.to(COMPUTE_DTYPE)
+
+        if USE_DOT:
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+        else:
+            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+        s = s * qk_scale_log2
+        visible = (n[None, :] < row_end[:, None]) & (n[None, :] >= row_lo[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows with nothing visible yet keep m = -inf; subtract 0 instead to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if USE_DOT:
+            if DOT_FP32:
+                pv = tl.dot(p, v, out_dtype=tl.float32)
+            else:
+                pv = tl.dot(p.to(COMPUTE_DTYPE), v, out_dtype=tl.float32)
+        else:
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -295,7 +255,7 @@ def _merge_kernel(
     stride_lse_tok, stride_lse_head,
     stride_o_batch, stride_o_tok, stride_o_head,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # head-dim columns per program (a slice of the padded head dim)
     SEQ_LEN_Q: tl.constexpr,
     PACKED: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -303,9 +263,11 @@ def _merge_kernel(
 ):
     """out[tok, head] = bmm2_scale * sum_s w_s o_s / sum_s w_s, w_s = exp2(lse_s - max lse).
 
-    BLOCK_S covers all splits in one pass up to 16384 / BLOCK_D of them (the launcher's choice),
-    so at most one dependent round trip to the partials: the o loads do not wait for the lse
-    loads (every split < num_kv_splits wrote its partial; empty splits wrote o = 0, lse = -inf).
+    Grid: (query tokens, query heads, head-dim slices). BLOCK_S covers all splits in one pass
+    up to 16384 / BLOCK_D of them (the launcher's choice), so at most one dependent round trip to
+    the partials: the o loads do not wait for the lse loads (every split < num_kv_splits wrote
+    its partial; empty splits wrote o = 0, lse = -inf). At small batch the head dim is sliced
+    so that more programs (SMs) share the partials' bytes.
     """
     if USE_PDL:
         tl.extra.cuda.gdc_wait()  # the split pass's partials are complete and visible
@@ -313,6 +275,7 @@ def _merge_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     gtok = tl.program_id(0)
     head = tl.program_id(1)
+    d_block = tl.program_id(2)
     if PACKED:
         # Output of a packed query is [total_q, Hq, D]; its batch stride is unused.
         b = 0
@@ -320,7 +283,7 @@ def _merge_kernel(
     else:
         b = gtok // SEQ_LEN_Q
         tok = gtok % SEQ_LEN_Q
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
     lse_row = partial_lse_ptr + gtok.to(tl.int64) * stride_lse_tok + head * stride_lse_head
     po_row = partial_o_ptr + gtok.to(tl.int64) * stride_po_tok + head * stride_po_head
@@ -366,9 +329,6 @@ def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tl.dtype:
         return tl.float16
     return _TL_DTYPES.get(q_dtype, tl.float16)
 
-
-# Measurement switch: TSDECODE_KV_PREFETCH=1 uses the manual K/V prefetch loop.
-_KV_PREFETCH = os.environ.get("TSDECODE_KV_PREFETCH", "0") == "1"
 
 # Measurement switch (TSDECODE_FP8_COMPUTE=bfloat16 keeps a bf16 query's dtype for fp8 caches).
 _FP8_COMPUTE = os.environ.get("TSDECODE_FP8_COMPUTE", "float16")
@@ -432,8 +392,13 @@ def launch_decode(
     config: KernelConfig,
     bmm1_scale: float,
     bmm2_scale: float,
+    merge_total_q: int | None = None,
 ) -> None:
     """Launch pass 1 (and the merge when config.num_kv_splits > 1). No host sync, no allocation.
+
+    merge_total_q: the query-token count the merge's tiling is chosen for (default
+    geometry.total_q); a warm-up launch on a smaller grid passes the plan's so it compiles the
+    same merge kernel the plan's runs use.
 
     q/out: [B, Hq, D], [B, SQ, Hq, D] or packed [total_q, Hq, D]; k_cache/v_cache: views
     [num_pages, Hkv, P, D] with compact inner strides (the page stride may be padded).
@@ -471,20 +436,26 @@ def launch_decode(
         SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed, CAUSAL=g.causal, WINDOW=g.window_left >= 0,
         NUM_M_BLOCKS=num_m_blocks, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot, DOT_FP32=interp,
-        COMPUTE_DTYPE=compute_dtype(q.dtype, k_cache.dtype), NUM_STAGES=config.num_stages,
-        KV_PREFETCH=_KV_PREFETCH, USE_PDL=pdl,
+        COMPUTE_DTYPE=compute_dtype(q.dtype, k_cache.dtype), NUM_STAGES=config.num_stages, USE_PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     if splits > 1:
+        # Slice the head dim (down to 32 columns) until ~2 programs per SM share the partials:
+        # at B=1 one program per head would pull all splits' bytes through 32 SMs.
+        merge_rows = (merge_total_q if merge_total_q is not None else g.total_q) * g.num_qo_heads
+        merge_block_d = block_d
+        while merge_block_d > 32 and merge_rows * (block_d // merge_block_d) < 2 * _num_sms(q.device):
+            merge_block_d //= 2
         # One [BLOCK_S, BLOCK_D] fp32 tile of partials per program: all splits at once up to
-        # 16384 elements (64 registers a thread at 8 warps), one warp per 1024 elements.
-        merge_block_s = min(triton.next_power_of_2(splits), max(16384 // block_d, 1))
-        merge_warps = max(2, min(8, merge_block_s * block_d // 1024))
-        _merge_kernel[(g.total_q, g.num_qo_heads)](
+        # 8192 elements (64 registers a thread at 4 warps), one warp per 2048 elements.
+        merge_block_s = min(triton.next_power_of_2(splits), max(8192 // merge_block_d, 1))
+        merge_warps = max(1, min(4, merge_block_s * merge_block_d // 2048))
+        merge_grid = (g.total_q, g.num_qo_heads, block_d // merge_block_d)
+        _merge_kernel[merge_grid](
             partial_o, partial_lse, out, float(bmm2_scale), splits,
             *po_strides, *lse_strides,
             so_b, so_t, so_h,
-            HEAD_DIM=g.head_dim, BLOCK_D=block_d, SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed,
+            HEAD_DIM=g.head_dim, BLOCK_D=merge_block_d, SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed,
             BLOCK_S=merge_block_s, USE_PDL=pdl,
             num_warps=merge_warps, **({"launch_pdl": True} if pdl else {}),
         )
