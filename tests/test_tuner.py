@@ -6,6 +6,7 @@ Timings in the interpreter mean nothing; these tests check the pipeline, not the
 
 from __future__ import annotations
 
+import statistics
 import os
 import signal
 import subprocess
@@ -438,3 +439,16 @@ def test_gpu_smoke_tuning_end_to_end(tmp_path, monkeypatch):
             assert err < measure.tolerance(spec)
     finally:
         tables.clear_cache()
+
+
+def test_retime_noise_ignores_one_outlier_round():
+    from tuner.search import retime_noise
+
+    # The H200 default's re-timings for B=256 L=4k (us): one slow round must not set the noise.
+    default = [1033.9, 1035.1, 1144.6, 1059.5, 1028.6]
+    noise = retime_noise(default)
+    assert 0.02 < noise < 0.03
+    challenger_median = 975.2  # 6% faster in every round
+    assert challenger_median < statistics.median(default) * (1 - noise)
+    assert retime_noise([100.0]) == 0.01
+    assert retime_noise([100.0, 100.1, 100.0]) == 0.01
