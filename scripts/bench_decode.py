@@ -149,7 +149,7 @@ def run_heldout(args, dev, copy_gbs: float, num_sms: int) -> list[dict]:
         rows.append(dict(regime="held-out", spec=spec.name, us=table_us, best_us=best_us, ratio=ratio,
                          ok=ok, config=str(selected.kernel_config), source=selected.source,
                          best_config=str(best_cfg), searched=len(ranked), rel_err=err,
-                         pct_copy=100 * bytes_moved(spec) / (table_us * 1e-6) / 1e9 / copy_gbs,
+                         pct_copy=100 * set_bytes(spec, sets[0]) / (table_us * 1e-6) / 1e9 / copy_gbs,
                          copy_gbs=copy_gbs, kind="heldout"))
         del sets
         torch.cuda.empty_cache()
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
         if not selected_by(args.only, spec.name) and t.regime != "geometry base":
             continue
         sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
-        nbytes = bytes_moved(spec)
+        nbytes = set_bytes(spec, sets[0])
         us, selected = time_config(spec, sets, None)
         err = check_correct(spec, sets[0], None)
         gbs = nbytes / (us * 1e-6) / 1e9
@@ -281,6 +281,11 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     write_csv(args.csv, rows)
     return 0
+
+
+def set_bytes(spec: ShapeSpec, inputs) -> int:
+    """Bytes the floor moves for one input set: its actual (possibly ragged) lengths."""
+    return bytes_moved(spec, inputs.seq_lens.tolist(), int(inputs.q.shape[0]) if spec.packed else None)
 
 
 def selected_by(only: str | None, name: str) -> bool:

@@ -6,9 +6,9 @@ Timings in the interpreter mean nothing; these tests check the pipeline, not the
 
 from __future__ import annotations
 
-import statistics
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -452,3 +452,19 @@ def test_retime_noise_ignores_one_outlier_round():
     assert challenger_median < statistics.median(default) * (1 - noise)
     assert retime_noise([100.0]) == 0.01
     assert retime_noise([100.0, 100.1, 100.0]) == 0.01
+
+
+def test_seed_configs_cover_splits_and_the_lean_family():
+    from tuner.search import seed_configs
+
+    default = KernelConfig(block_n=64, block_m=16, num_kv_splits=4, num_warps=4, num_stages=2)
+    space = {"block_n": [16, 32, 64], "block_m": [16], "num_kv_splits": [1, 2, 3, 4, 6, 8, 12, 16],
+             "num_warps": [1, 2, 4], "num_stages": [1, 2, 3]}
+    seeds = seed_configs(default, space)
+    assert seeds[0] == default and len(set(seeds)) == len(seeds)
+    assert {c.num_kv_splits for c in seeds if c.block_n == 64} == {2, 4, 8, 16}
+    lean = [c for c in seeds if c.block_n == 16]
+    assert {(c.num_warps, c.num_stages) for c in lean} == {(1, 3)}
+    assert sorted(c.num_kv_splits for c in lean) == [4, 8, 16]
+    for c in seeds:  # every seed lies in the space
+        assert all(getattr(c, k) in v for k, v in space.items())

@@ -145,13 +145,24 @@ def space_size(space: dict[str, Sequence[int]]) -> int:
 
 def seed_configs(default: KernelConfig, space: dict[str, Sequence[int]]) -> list[KernelConfig]:
     """The first trials of a new study: the default, then the default with a few other split
-    counts (the knob that matters most for decode) from the space."""
+    counts (the knob that matters most for decode) from the space, then the "lean program"
+    family at 1x, 2x and 4x the default's splits: the smallest block_n, 1 warp, 3 stages (about
+    12 resident programs per H200 SM against 5 for block_n=64 at 4 warps). On the H200 that
+    family was the best config of 6 of 10 held-out ragged shapes and of two tuned buckets, and
+    TPE with 40-64 trials rarely reached it on its own (docs/perf-notes.md)."""
     out = [default]
     splits = space["num_kv_splits"]
     s = default.num_kv_splits
-    for cand in (2 * s, max(1, s // 2), 4 * s):
-        near = min(splits, key=lambda v: abs(v - cand))
-        config = KernelConfig(**{**default.to_dict(), "num_kv_splits": near})
+
+    def near(values, target):
+        return min(values, key=lambda v: abs(v - target))
+
+    candidates = [{"num_kv_splits": near(splits, c)} for c in (2 * s, max(1, s // 2), 4 * s)]
+    lean = {"block_n": min(space["block_n"]), "num_warps": near(space["num_warps"], 1),
+            "num_stages": near(space["num_stages"], 3)}
+    candidates += [{**lean, "num_kv_splits": near(splits, c)} for c in (s, 2 * s, 4 * s)]
+    for change in candidates:
+        config = KernelConfig(**{**default.to_dict(), **change})
         if config not in out:
             out.append(config)
     return out
