@@ -572,3 +572,25 @@ def test_table_entry_from_another_batch_size_keeps_its_program_count(tmp_path):
         tables.clear_cache()
     assert sel.source == "table" and sel.kernel_config.num_kv_splits == 4
     assert any("scaled" in a for a in sel.adjustments)
+
+
+def test_kernel_hash_ignores_comments_and_docstrings_only():
+    src = '''"""Module doc."""
+import os  # a comment
+
+
+def f(x):
+    """Doc of f,
+    two lines."""
+    y = "kept: an assigned string"  # trailing comment
+    # a whole-line comment
+
+    return x + 1
+'''
+    code = tables.code_without_comments(src)
+    assert "Module doc" not in code and "Doc of f" not in code and "comment" not in code
+    assert '"kept: an assigned string"' in code and "return x + 1" in code
+    edited_docs = src.replace("Doc of f", "Better doc of f").replace("# a comment", "# other")
+    assert tables.code_without_comments(edited_docs) == code
+    assert tables.code_without_comments(src.replace("\n", "\r\n")) == code
+    assert tables.code_without_comments(src.replace("x + 1", "x + 2")) != code

@@ -414,12 +414,42 @@ def validate_table_data(data: object) -> None:
 _hash_cache: list[str] = []
 
 
-def kernel_source_hash() -> str:
-    """sha256 (first 16 hex) of the kernel source and the config space it is tuned over.
+def code_without_comments(source: str) -> str:
+    """Python source with comments, docstrings, blank lines and trailing spaces removed.
 
-    Covers tsdecode/kernels/decode.py (read as text, so a CRLF checkout hashes like an LF one)
-    and the config-space definition (KernelConfig's fields and the choice constants), not the
-    rest of configs.py: editing the heuristic must not mark every tuned table stale.
+    Spans come from ``tokenize`` (COMMENT tokens, and STRING tokens that form a statement of their
+    own), so the result does not depend on the Python version's tokenizer details elsewhere.
+    """
+    import io
+    import tokenize
+
+    skip = {tokenize.NL, tokenize.COMMENT}
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    spans = []
+    for i, tok in enumerate(tokens):
+        if tok.type == tokenize.COMMENT:
+            spans.append((tok.start, tok.end))
+        elif tok.type == tokenize.STRING:
+            prev = next((t for t in reversed(tokens[:i]) if t.type not in skip), None)
+            nxt = next((t for t in tokens[i + 1:] if t.type not in skip), None)
+            starts_statement = prev is None or prev.type in (
+                tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING)
+            if starts_statement and nxt is not None and nxt.type in (tokenize.NEWLINE, tokenize.ENDMARKER):
+                spans.append((tok.start, tok.end))
+    lines = source.splitlines()
+    for (r0, c0), (r1, c1) in reversed(spans):  # 1-based rows, 0-based columns
+        head, tail = lines[r0 - 1][:c0], lines[r1 - 1][c1:]
+        lines[r0 - 1:r1] = [head + tail]
+    return "\n".join(line.rstrip() for line in lines if line.strip())
+
+
+def kernel_source_hash() -> str:
+    """sha256 (first 16 hex) of the kernel code and the config space it is tuned over.
+
+    Covers the code of tsdecode/kernels/decode.py (``code_without_comments``: editing a comment
+    or a docstring, or a CRLF checkout, keeps tables current) and the config-space definition
+    (KernelConfig's fields and the choice constants), not the rest of configs.py: editing the
+    heuristic must not mark every tuned table stale.
     """
     if not _hash_cache:
         import dataclasses
@@ -428,7 +458,8 @@ def kernel_source_hash() -> str:
 
         root = Path(__file__).resolve().parent
         h = hashlib.sha256()
-        h.update((root / "kernels" / "decode.py").read_text(encoding="utf-8").encode("utf-8"))
+        source = (root / "kernels" / "decode.py").read_text(encoding="utf-8")
+        h.update(code_without_comments(source).encode("utf-8"))
         h.update(b"\0")
         space = (
             [f.name for f in dataclasses.fields(configs.KernelConfig)],

@@ -264,7 +264,7 @@ def _merge_kernel(
     """out[tok, head] = bmm2_scale * sum_s w_s o_s / sum_s w_s, w_s = exp2(lse_s - max lse).
 
     Grid: (query tokens, query heads, head-dim slices). BLOCK_S covers all splits in one pass
-    up to 16384 / BLOCK_D of them (the launcher's choice), so at most one dependent round trip to
+    up to 8192 / BLOCK_D of them (the launcher's choice), so at most one dependent round trip to
     the partials: the o loads do not wait for the lse loads (every split < num_kv_splits wrote
     its partial; empty splits wrote o = 0, lse = -inf). At small batch the head dim is sliced
     so that more programs (SMs) share the partials' bytes.
