@@ -47,6 +47,7 @@ from tsdecode.configs import (
 from .grids import ShapeSpec
 from .runner import CandidateFailed, CompilePool, config_key
 
+
 def retime_noise(times: Sequence[float]) -> float:
     """Relative noise of repeated timings: the interquartile range over the median, at least 1%.
 
