@@ -7,9 +7,7 @@ Suites:
   heldout  ten ragged llama3-8b shapes off the tuning grid: the table-selected config vs that
            shape's own best (a coordinate search over the config space), target within 5%.
 Options: --sweep times a set of split counts / tiles / warps per shape and reports the best
-(calibrates the heuristic); --merge-ab times the fused and the separate split merge on the same
-configs (three tile families x split counts) per shape, in this run; --only picks shapes by
-name; --csv writes rows.
+(calibrates the heuristic); --only picks shapes by name; --csv writes rows.
 
 Usage: python scripts/bench_decode.py --suite llama [--sweep] [--csv out.csv]
 """
@@ -162,49 +160,6 @@ def run_heldout(args, dev, copy_gbs: float, num_sms: int) -> list[dict]:
     return rows
 
 
-def run_merge_ab(args, specs: list[ShapeSpec], dev, copy_gbs: float, num_sms: int) -> list[dict]:
-    """Per shape: each tile family x split count timed with the separate merge kernel and with the
-    fused merge (where ``merge_plan`` fits it), in turn, in this run."""
-    from tsdecode.kernels import decode
-
-    families = [(16, 1, 3), (32, 4, 2), (64, 4, 2)]  # (block_n, num_warps, num_stages)
-    split_set = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-    rows = []
-    for spec in specs:
-        if not selected_by(args.only, spec.name):
-            continue
-        shape = spec.to_problem_shape()
-        sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
-        nbytes = set_bytes(spec, sets[0])
-        best = {}
-        for bn, w, st in families:
-            for n in split_set:
-                cfg = fit_config(KernelConfig(block_n=bn, block_m=16, num_kv_splits=n, num_warps=w,
-                                              num_stages=st), shape)[0]
-                if cfg.num_kv_splits != n:
-                    continue
-                for mode in ("separate", "fused"):
-                    decode.MERGE_MODE = mode
-                    us = time_config(spec, sets, cfg, replay_ms=20.0)[0]
-                    rows.append(dict(spec=spec.name, config=str(cfg), merge=mode, us=us, kind="merge_ab",
-                                     pct_copy=100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs))
-                    if us < best.get(mode, (math.inf,))[0]:
-                        best[mode] = (us, cfg)
-        decode.MERGE_MODE = "auto"
-        sep, fus = best["separate"], best["fused"]
-        print(f"{spec.name:44s} best separate {sep[0]:8.1f} us  best fused {fus[0]:8.1f} us  "
-              f"fused/separate {fus[0] / sep[0]:.3f}  | {sep[1]} | {fus[1]}", flush=True)
-        for r in rows:
-            if r["spec"] == spec.name and r["merge"] == "fused":
-                pair = next(x for x in rows if x["spec"] == spec.name and x["config"] == r["config"]
-                            and x["merge"] == "separate")
-                print(f"#   {r['config']}: separate {pair['us']:.1f} fused {r['us']:.1f} "
-                      f"({r['us'] / pair['us']:.3f})")
-        del sets
-        torch.cuda.empty_cache()
-    return rows
-
-
 def sweep_configs(spec: ShapeSpec, num_sms: int) -> list[KernelConfig]:
     shape = spec.to_problem_shape()
     h = heuristic_config(shape, num_sms)
@@ -248,7 +203,6 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", choices=("llama", "targets", "heldout"), default="llama")
     ap.add_argument("--sweep", action="store_true", help="also time a config sweep per shape")
     ap.add_argument("--csv", default=None, help="write one row per (shape, config) here")
-    ap.add_argument("--merge-ab", action="store_true", help="fused vs separate merge per shape and config")
     ap.add_argument("--only", default=None, help="run only shapes whose name contains one of these comma-separated texts")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -278,11 +232,6 @@ def main(argv=None) -> int:
         targets = [Target("llama3-8b", s, "pct_copy", 0.0) for s in llama_suite()]
     else:
         targets = target_suite()
-    if args.merge_ab:
-        rows = run_merge_ab(args, [t.spec for t in targets if t.regime != "geometry base"], dev,
-                            copy_gbs, num_sms)
-        write_csv(args.csv, rows)
-        return 0
     rows = []
     base_bw = None
     header = f"{'regime':24s} {'shape':40s} {'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'target':>8s} {'ok':>4s}  config"

@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # One GPU call: install carried wheels, run the GPU tests, then benchmarks (and optionally tuning
 # and a report). Usage: scripts/gpu_check.sh [STEP ...]   steps: tests bench nopdl sweep sweepsel
-# fp8bf16 mergeab targets heldout occupancy tune report.
+# fp8bf16 targets heldout occupancy tune report.
 # Default: tests bench. TUNE_ARGS / REPORT_ARGS override the tune / report grids and budgets
 # (TUNE_TAG suffixes the tune log's name);
 # BENCH_ONLY limits the targets step to shapes whose name contains one of its comma-separated
-# texts; SWEEP_ONLY picks the target shapes the sweepsel step sweeps, MERGE_ONLY those the mergeab
-# step (fused vs separate merge) times.
+# texts; SWEEP_ONLY picks the target shapes the sweepsel step sweeps.
 # Logs and CSVs go to $OUT (the device tool's output folder) or ./gpu_out.
 set -u
 cd "$(dirname "$0")/.."
@@ -32,7 +31,6 @@ for step in $steps; do
     nopdl)   TSDECODE_DISABLE_PDL=1 python3 scripts/bench_decode.py --suite llama --only B1_ 2>&1 | tee "$OUT/bench_nopdl.log" ;;
     sweep)   python3 scripts/bench_decode.py --suite llama --sweep --csv "$OUT/sweep_llama.csv" > "$OUT/sweep_llama.log" 2>&1; grep -v "^#   " "$OUT/sweep_llama.log" ;;
     sweepsel) python3 scripts/bench_decode.py --suite targets --sweep --only "${SWEEP_ONLY:-B8_L8192_H32}" --csv "$OUT/sweepsel.csv" > "$OUT/sweepsel.log" 2>&1; grep -v "^#   " "$OUT/sweepsel.log" ;;
-    mergeab) python3 scripts/bench_decode.py --suite targets --merge-ab --only "${MERGE_ONLY:-B1_,B8_L1024,B8_L8192}" --csv "$OUT/merge_ab.csv" > "$OUT/merge_ab.log" 2>&1; grep -v "^#   " "$OUT/merge_ab.log" ;;
     fp8bf16) TSDECODE_FP8_COMPUTE=bfloat16 python3 scripts/bench_decode.py --suite targets --only float8 2>&1 | tee "$OUT/targets_fp8_bf16.log" ;;
     targets) python3 scripts/bench_decode.py --suite targets ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/targets.csv" 2>&1 | tee "$OUT/targets.log" ;;
     occupancy) python3 scripts/occupancy.py 2>&1 | tee "$OUT/occupancy.log" ;;

@@ -20,12 +20,3 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture
-def merge_mode(request, monkeypatch):
-    """Force the split merge path ("fused" where it fits, or "separate") for one test."""
-    from tsdecode.kernels import decode
-
-    monkeypatch.setattr(decode, "MERGE_MODE", request.param)
-    return request.param

@@ -86,47 +86,6 @@ def test_every_config_same_answer():
         run_and_check(dataclasses.replace(base, config=cfg))
 
 
-@pytest.mark.parametrize("merge_mode", ["fused", "separate"], indirect=True)
-@pytest.mark.parametrize("name", ["splits-7-bn32", "packed-causal-window", "fixed-sq3-causal-window", "fma-bm4", "d192"])
-def test_both_merge_paths_match_reference(name, merge_mode):
-    from tsdecode.kernels import decode
-
-    case = CASES[name]
-    inp = build(case)
-    w = plan_wrapper(case, inp)
-    g, cfg = w._plan.geometry, w.config.kernel_config
-    assert decode.merge_plan(g, cfg).fused == (merge_mode == "fused")
-    ref = reference(case, inp)
-    for _ in range(2):  # the second run finds the arrival counters reset by the first
-        out = poisoned_out(case, inp)
-        w.run(inp.q, inp.cache, bmm1_scale=case.bmm1_scale, bmm2_scale=case.bmm2_scale, out=out)
-        check(case, out, ref)
-    assert int(w._plan.scratch[2].abs().sum()) == 0
-
-
-def test_merge_plan_rule():
-    """Fused when the [rows, head dim] tile fits 2048 fp32 elements a warp; splits per load fill
-    the rest of that budget (a power of two, at most next_pow2(S))."""
-    from tsdecode.kernels.decode import LaunchGeometry, merge_plan
-
-    def geom(hq, hkv, d, sq=1):
-        return LaunchGeometry(batch_size=2, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=16,
-                              seq_len_q=sq, packed=False, causal=False, window_left=-1, max_kv_len=100,
-                              total_q=2 * sq)
-
-    assert not merge_plan(geom(32, 8, 128), KC(num_kv_splits=1)).fused
-    p = merge_plan(geom(32, 8, 128), KC(block_m=16, num_kv_splits=66, num_warps=4))
-    assert (p.fused, p.rows, p.block_s) == (True, 4, 16)  # 4 rows x 16 splits x 128 = 8192
-    p = merge_plan(geom(32, 8, 128), KC(block_m=16, num_kv_splits=3, num_warps=1))
-    assert (p.fused, p.rows, p.block_s) == (True, 4, 4)
-    p = merge_plan(geom(64, 4, 128, sq=2), KC(block_m=32, num_kv_splits=8, num_warps=1))
-    assert not p.fused  # 32 rows x 128 > 2048
-    p = merge_plan(geom(64, 4, 128, sq=2), KC(block_m=32, num_kv_splits=8, num_warps=2))
-    assert (p.fused, p.rows, p.block_s) == (True, 32, 1)
-    p = merge_plan(geom(32, 8, 192), KC(block_m=16, num_kv_splits=5, num_warps=2))
-    assert (p.fused, p.rows, p.block_s) == (True, 4, 4)  # 4 rows x 4 splits x 256 = 2 warps' 4096
-
-
 def test_bound_seq_lens_read_live_and_pages_remapped():
     """bind_seq_lens=True: runs read the caller's live lengths; remapped page IDs are read live."""
     case = Case(lens=(20, 64, 33), config=KC(block_n=16, block_m=16, num_kv_splits=3))

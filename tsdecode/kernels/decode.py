@@ -10,12 +10,8 @@ once per query head. It walks its split's K/V tiles through the block table with
 softmax (base 2, scale folded in) and writes either the final output (one split) or a
 normalised partial output and its log2-sum-exp to fp32 scratch.
 
-Pass 2, only when num_kv_splits > 1, combines the splits' partials weighted by exp2(lse - max),
-in one of two ways (``merge_plan`` picks one from plan-time values):
-- fused: each split program, after writing its partial, counts itself in on an int32 arrival
-  counter per (request, KV head, row block); the last one to arrive merges all splits of its
-  rows and resets the counter to 0. No second launch; for small merges (few rows x splits).
-- separate (``_merge_kernel``): one program per (query token, query head, head-dim slice).
+Pass 2 (``_merge_kernel``, only when num_kv_splits > 1): one program per (query token, query
+head, head-dim slice) combines the splits' partials weighted by exp2(lse - max).
 
 The grid depends only on plan-time values (batch size, heads, packed-row capacity, split count),
 so a captured graph replays with live lengths: each request's visible tile range is divided
@@ -79,7 +75,7 @@ def pdl_enabled(device: torch.device) -> bool:
 def _split_kv_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qo_indptr_ptr,
-    out_ptr, partial_o_ptr, partial_lse_ptr, merge_counter_ptr,
+    out_ptr, partial_o_ptr, partial_lse_ptr,
     # scalars
     qk_scale_log2,  # bmm1_scale * log2(e)
     bmm2_scale,
@@ -113,9 +109,6 @@ def _split_kv_kernel(
     COMPUTE_DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm90+)
-    FUSED_MERGE: tl.constexpr,  # the last split program of a row block merges (no _merge_kernel)
-    MERGE_ROWS: tl.constexpr,  # rows the fused merge covers: min(BLOCK_M, next_pow2(G * SQ))
-    MERGE_BLOCK_S: tl.constexpr,  # splits per fused-merge load
 ):
     if USE_PDL:
         # Inputs may come from the previous kernel in the stream: wait for it before any load,
@@ -251,71 +244,6 @@ def _split_kv_kernel(
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         lse_ptrs = partial_lse_ptr + gtok * stride_lse_tok + head * stride_lse_head + split
         tl.store(lse_ptrs, lse, mask=row_valid)
-        if FUSED_MERGE:
-            tl.debug_barrier()
-            arrived = tl.atomic_add(merge_counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_kv_splits - 1:
-                _merge_rows(
-                    partial_o_ptr, partial_lse_ptr, out_ptr, bmm2_scale, num_kv_splits,
-                    m_block * BLOCK_M, kv_head, b, qo_start, qo_len, tok_base,
-                    stride_po_tok, stride_po_head, stride_po_split,
-                    stride_lse_tok, stride_lse_head,
-                    stride_o_batch, stride_o_tok, stride_o_head,
-                    GROUP_SIZE, HEAD_DIM, BLOCK_D, SEQ_LEN_Q, MERGE_ROWS, MERGE_BLOCK_S,
-                )
-                tl.store(merge_counter_ptr + pid, 0)
-
-
-@triton.jit
-def _merge_rows(
-    partial_o_ptr, partial_lse_ptr, out_ptr, bmm2_scale, num_kv_splits,
-    row0, kv_head, b, qo_start, qo_len, tok_base,
-    stride_po_tok, stride_po_head, stride_po_split,
-    stride_lse_tok, stride_lse_head,
-    stride_o_batch, stride_o_tok, stride_o_head,
-    GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    SEQ_LEN_Q: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
-    MERGE_BLOCK_S: tl.constexpr,
-):
-    rows = row0 + tl.arange(0, MERGE_ROWS)
-    tok = rows // GROUP_SIZE
-    head = kv_head * GROUP_SIZE + rows % GROUP_SIZE
-    row_valid = (rows < GROUP_SIZE * SEQ_LEN_Q) & (tok < qo_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM
-    gtok = (tok_base + tok).to(tl.int64)
-    lse_rows = partial_lse_ptr + gtok * stride_lse_tok + head * stride_lse_head
-    po_rows = partial_o_ptr + gtok * stride_po_tok + head * stride_po_head
-    m_run = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
-    w_sum = tl.zeros([MERGE_ROWS], dtype=tl.float32)
-    acc = tl.zeros([MERGE_ROWS, BLOCK_D], dtype=tl.float32)
-    for s0 in tl.range(0, num_kv_splits, MERGE_BLOCK_S):
-        offs_s = s0 + tl.arange(0, MERGE_BLOCK_S)
-        ls_mask = row_valid[:, None] & (offs_s < num_kv_splits)[None, :]
-        lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=ls_mask, other=float("-inf"),
-                      cache_modifier=".cg")
-        o = tl.load(
-            po_rows[:, None, None] + offs_s[None, :, None] * stride_po_split
-            + offs_d[None, None, :],
-            mask=ls_mask[:, :, None] & d_valid[None, None, :], other=0.0, cache_modifier=".cg",
-        )
-        m_new = tl.maximum(m_run, tl.max(lse, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        w = tl.where(lse > float("-inf"), tl.exp2(lse - m_safe[:, None]), 0.0)
-        alpha = tl.exp2(m_run - m_safe)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
-        w_sum = w_sum * alpha + tl.sum(w, axis=1)
-        m_run = m_new
-    live = w_sum > 0.0
-    res = tl.where(live[:, None], acc / tl.where(live, w_sum, 1.0)[:, None], 0.0) * bmm2_scale
-    o_ptrs = (
-        out_ptr + b * stride_o_batch + (qo_start + tok)[:, None] * stride_o_tok
-        + head[:, None] * stride_o_head + offs_d[None, :]
-    )
-    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
 
 
 @triton.jit
@@ -429,7 +357,8 @@ class LaunchGeometry:
 
 def allocate_scratch(
     geometry: LaunchGeometry, config: KernelConfig, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """fp32 partial outputs [total_q, Hq, S, D] and log2-sum-exps [total_q, Hq, S]; None if S=1."""
     splits = config.num_kv_splits
     if splits == 1:
         return None
@@ -438,35 +367,7 @@ def allocate_scratch(
         (g.total_q, g.num_qo_heads, splits, g.head_dim), dtype=torch.float32, device=device
     )
     partial_lse = torch.empty((g.total_q, g.num_qo_heads, splits), dtype=torch.float32, device=device)
-    num_m_blocks = -(-(g.group_size * g.seq_len_q) // config.block_m)
-    merge_counters = torch.zeros(
-        g.batch_size * g.num_kv_heads * num_m_blocks, dtype=torch.int32, device=device
-    )
-    return partial_o, partial_lse, merge_counters
-
-
-MERGE_MODE = os.environ.get("TSDECODE_MERGE", "auto")
-_FUSED_MERGE_ELEMENTS_PER_WARP = 2048
-
-
-@dataclass(frozen=True)
-class MergePlan:
-    fused: bool
-    rows: int = 0
-    block_s: int = 0
-
-
-def merge_plan(geometry: LaunchGeometry, config: KernelConfig) -> MergePlan:
-    splits = config.num_kv_splits
-    if splits == 1 or MERGE_MODE == "separate":
-        return MergePlan(False)
-    block_d = triton.next_power_of_2(geometry.head_dim)
-    rows = min(config.block_m, triton.next_power_of_2(geometry.group_size * geometry.seq_len_q))
-    budget = _FUSED_MERGE_ELEMENTS_PER_WARP * config.num_warps
-    if rows * block_d > budget:
-        return MergePlan(False)
-    block_s = min(triton.next_power_of_2(splits), max(1, budget // (rows * block_d)))
-    return MergePlan(True, rows, block_s)
+    return partial_o, partial_lse
 
 
 def _q_strides(t: torch.Tensor, packed: bool) -> tuple[int, int, int]:
@@ -510,20 +411,19 @@ def launch_decode(
     sq_b, sq_t, sq_h = _q_strides(q, g.packed)
     so_b, so_t, so_h = _q_strides(out, g.packed)
     splits = config.num_kv_splits
-    merge = merge_plan(g, config)
     if splits > 1:
-        partial_o, partial_lse, merge_counters = scratch
+        partial_o, partial_lse = scratch
         po_strides = (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2))
         lse_strides = (partial_lse.stride(0), partial_lse.stride(1))
     else:
-        partial_o = partial_lse = merge_counters = out  # unused by the kernel when DIRECT_OUT
+        partial_o = partial_lse = out  # unused by the kernel when DIRECT_OUT
         po_strides, lse_strides = (0, 0, 0), (0, 0)
     indptr = qo_indptr if qo_indptr is not None else seq_lens  # unused unless PACKED
     pdl = pdl_enabled(q.device)
     grid = (g.batch_size * g.num_kv_heads * num_m_blocks, splits)
     _split_kv_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, indptr,
-        out, partial_o, partial_lse, merge_counters,
+        out, partial_o, partial_lse,
         float(bmm1_scale) * LOG2E, float(bmm2_scale), int(g.window_left), int(g.max_kv_len),
         g.num_kv_heads, splits,
         sq_b, sq_t, sq_h,
@@ -537,10 +437,9 @@ def launch_decode(
         NUM_M_BLOCKS=num_m_blocks, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot, DOT_FP32=interp,
         COMPUTE_DTYPE=compute_dtype(q.dtype, k_cache.dtype), NUM_STAGES=config.num_stages, USE_PDL=pdl,
-        FUSED_MERGE=merge.fused, MERGE_ROWS=max(merge.rows, 1), MERGE_BLOCK_S=max(merge.block_s, 1),
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
-    if splits > 1 and not merge.fused:
+    if splits > 1:
         # Slice the head dim (down to 32 columns) until ~2 programs per SM share the partials:
         # at B=1 one program per head would pull all splits' bytes through 32 SMs.
         merge_rows = (merge_total_q if merge_total_q is not None else g.total_q) * g.num_qo_heads
