@@ -3,7 +3,8 @@
 # and a report). Usage: scripts/gpu_check.sh [STEP ...]   steps: tests bench nopdl sweep sweepsel
 # fp8bf16 targets heldout occupancy tune report.
 # Default: tests bench. TUNE_ARGS / REPORT_ARGS override the tune / report grids and budgets
-# (TUNE_TAG suffixes the tune log's name);
+# (TUNE_TAG suffixes the tune log's name; TUNE_OUT is the tune's table folder, default $OUT/tuned:
+# tuned_configs merges into the shipped table there, so later steps of the same call use it);
 # BENCH_ONLY limits the targets step to shapes whose name contains one of its comma-separated
 # texts; SWEEP_ONLY picks the target shapes the sweepsel step sweeps.
 # Logs and CSVs go to $OUT (the device tool's output folder) or ./gpu_out.
@@ -35,7 +36,7 @@ for step in $steps; do
     targets) python3 scripts/bench_decode.py --suite targets ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/targets.csv" 2>&1 | tee "$OUT/targets.log" ;;
     occupancy) python3 scripts/occupancy.py 2>&1 | tee "$OUT/occupancy.log" ;;
     heldout) python3 scripts/bench_decode.py --suite heldout --csv "$OUT/heldout.csv" 2>&1 | tee "$OUT/heldout.log" | grep -v "^#   " ;;
-    tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "$OUT/tuned" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -40 ;;
+    tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "${TUNE_OUT:-$OUT/tuned}" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -40 ;;
     report)  python3 -m tuner report ${REPORT_ARGS:---preset llama3-8b} --out "$OUT/report" 2>&1 | tee "$OUT/report.log" | tail -30 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac

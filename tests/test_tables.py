@@ -3,6 +3,7 @@ concurrent merges, packaging, and a plan that picks a table entry end to end (CP
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -594,3 +595,75 @@ def f(x):
     assert tables.code_without_comments(edited_docs) == code
     assert tables.code_without_comments(src.replace("\n", "\r\n")) == code
     assert tables.code_without_comments(src.replace("x + 1", "x + 2")) != code
+
+
+def test_entry_scales_splits_from_the_batch_size_it_was_tuned_at(tmp_path):
+    """An entry tuned at B=3 lands in bucket 4; B=3 gets it unchanged, B=1 scales from 3, not 4.
+    Tables without tuned_batch_size scale from the bucket's batch size."""
+    import dataclasses as dc
+
+    key = tables.problem_class_key(make_shape())
+    tuned = dc.replace(make_entry(num_kv_splits=4), tuned_batch_size=3)
+    path = write(tmp_path, entries={key: {(4, 8192): tuned}})
+    assert json.loads(path.read_text())["entries"][key][0]["tuned_batch_size"] == 3
+    assert tables.load_table(path).entries[key][(4, 8192)] == tuned
+    tables.clear_cache()
+    tables.set_config_path(tmp_path)
+    tables.set_device_info_override(H200)
+    try:
+        same = select_config(make_shape(batch_size=3, kv_len=8192), CPU)
+        one = select_config(make_shape(batch_size=1, kv_len=8192), CPU)
+        write(tmp_path, entries={key: {(4, 8192): make_entry(num_kv_splits=4)}})  # no field
+        tables.clear_cache()
+        legacy = select_config(make_shape(batch_size=3, kv_len=8192), CPU)
+    finally:
+        tables.set_config_path(None)
+        tables.set_device_info_override(None)
+        tables.clear_cache()
+    assert same.kernel_config.num_kv_splits == 4 and not any("scaled" in a for a in same.adjustments)
+    assert one.kernel_config.num_kv_splits == 12
+    assert legacy.kernel_config.num_kv_splits == 5  # round(4 * 4 / 3)
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "3", None])
+def test_bad_tuned_batch_size_is_a_format_error(value):
+    entry = make_entry().to_dict()
+    entry["tuned_batch_size"] = value
+    with pytest.raises(tables.TableFormatError, match="tuned_batch_size"):
+        TableEntry.from_dict(entry)
+
+
+def test_ragged_one_wave_batches_get_more_splits():
+    """longest / mean = 1.33 multiplies the splits while the programs stay within one wave;
+    equal lengths, several waves or bound lengths (spread 1.0) change nothing."""
+    from tsdecode.configs import scale_splits_to_raggedness
+
+    cfg = KernelConfig(block_n=16, block_m=16, num_kv_splits=11, num_warps=1, num_stages=3)
+    ragged = make_shape(batch_size=12, kv_len=5000, kv_len_spread=4 / 3)
+    scaled, notes = scale_splits_to_raggedness(cfg, ragged, 132)
+    assert scaled.num_kv_splits == 15 and "ragged lengths" in notes[0]
+    assert scale_splits_to_raggedness(cfg, make_shape(batch_size=12, kv_len=5000), 132) == (cfg, ())
+    many = dataclasses.replace(cfg, num_kv_splits=16)  # 12*8*16*1.33 > 12 programs per SM
+    assert scale_splits_to_raggedness(many, ragged, 132) == (many, ())
+    spread = make_shape(batch_size=1, kv_len=50000, kv_len_spread=50.0)
+    assert scale_splits_to_raggedness(cfg, spread, 132)[0].num_kv_splits == 44  # capped at 4x
+    short = make_shape(batch_size=1, kv_len=5000, kv_len_spread=50.0)  # 313 tiles of 16
+    assert scale_splits_to_raggedness(cfg, short, 132)[0].num_kv_splits == 39  # >= 8 tiles a split
+    tiny = make_shape(batch_size=2, kv_len=3000, kv_len_spread=4 / 3)  # 188 tiles: 66 splits stay
+    wide = dataclasses.replace(cfg, num_kv_splits=66)
+    assert scale_splits_to_raggedness(wide, tiny, 132) == (wide, ())
+
+
+def test_plan_passes_the_length_spread_of_fixed_lengths_only(monkeypatch):
+    from tsdecode import BatchDecodePagedTSWrapper, api
+
+    seen = []
+    real = api.select_config
+    monkeypatch.setattr(api, "select_config", lambda shape, *a: seen.append(shape) or real(shape, *a))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    lens = torch.tensor([300, 100, 200], dtype=torch.int32, device=dev)
+    table = torch.arange(3 * 20, dtype=torch.int32, device=dev).reshape(3, 20)
+    w = BatchDecodePagedTSWrapper()
+    w.plan(table, lens, 8, 2, 64, 16)
+    w.plan(table, lens, 8, 2, 64, 16, bind_seq_lens=True, max_kv_len=300)
+    assert [s.kv_len_spread for s in seen] == [1.5, 1.0]

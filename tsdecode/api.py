@@ -227,6 +227,7 @@ def _make_plan(
         head_dim=head_dim, page_size=page_size, max_kv_len=max_kv_len, max_seq_len_q=sq_cap,
         packed=packed, mask_kind="windowed" if window_left >= 0 else mask_type,
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
+        kv_len_spread=1.0 if bind_seq_lens else longest * len(lens) / sum(lens),
     )
     selected = select_config(shape, device, config)
     return _Plan(

@@ -24,6 +24,15 @@ NUM_STAGES_CHOICES = (1, 2, 3, 4)
 MAX_NUM_KV_SPLITS = 1024
 # block_m below this uses FMA reductions instead of tl.dot (tl.dot needs M >= 16).
 DOT_MIN_BLOCK_M = 16
+# heuristic_config's lean family (4 KiB K/V tiles, 1 warp) below this many B*Hkv programs per SM,
+# with splits for about LEAN_PROGRAMS_PER_SM programs per SM (H200 sweeps, docs/perf-notes.md).
+LEAN_MAX_PROGRAMS_PER_SM = 3
+LEAN_PROGRAMS_PER_SM = 8
+# Programs per SM that still run as one wave (1 warp, 16-token tiles: ~12 resident on an H200 SM);
+# below it, ragged batches get more splits (``scale_splits_to_raggedness``).
+ONE_WAVE_PROGRAMS_PER_SM = 12
+MAX_RAGGED_SPLIT_FACTOR = 4.0
+RAGGED_MIN_TILES_PER_SPLIT = 8
 # The FMA path materialises a [block_m, block_n, block_d] product; cap it so it stays in registers.
 FMA_MAX_TILE_ELEMENTS = 32768
 
@@ -107,6 +116,9 @@ class ProblemShape:
     q_dtype: torch.dtype = torch.bfloat16
     kv_dtype: torch.dtype = torch.bfloat16
     o_dtype: torch.dtype = torch.bfloat16
+    # Longest over mean K/V length of the plan's requests when lengths are fixed at plan time
+    # (1.0 for bound lengths, unknown until run): how ragged the batch is.
+    kv_len_spread: float = 1.0
 
     @property
     def group_size(self) -> int:
@@ -179,11 +191,14 @@ def fit_config(config: KernelConfig, shape: ProblemShape) -> tuple[KernelConfig,
 def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     """A good default from SM count, B*Hkv, L, G and D (no measurement).
 
-    Calibrated on an H200 sweep (docs/perf-notes.md). Rows: all G*SQ query rows of a KV head in
+    Calibrated on H200 sweeps (docs/perf-notes.md). Rows: all G*SQ query rows of a KV head in
     one program (K/V read once), padded to at least 16 for tl.dot: the FMA path is far slower even
-    for a single row. Splits: fill about 4 programs per SM when B*Hkv programs cannot, down to
-    one 64-token tile per split; at large batch with long K/V, a few splits of narrower tiles
-    (block_n=32) still help (shorter dependent chains, better tail balance).
+    for a single row. Few B*Hkv programs (< 3 per SM) with 16 rows or fewer, D <= 128 and a
+    16-bit cache: lean programs (4 KiB K/V tiles: 16 tokens at D = 128, 32 at D = 64; 1 warp;
+    3 stages) and splits for about 8 of them per SM. Otherwise splits fill about 4 programs per
+    SM when B*Hkv programs cannot, down to one 64-token tile per split; at large batch with long
+    K/V, a few splits of narrower tiles (block_n=32) still help (shorter dependent chains, better
+    tail balance).
     """
     rows = shape.rows_per_kv_head
     block_m = min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
@@ -193,7 +208,16 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     target_programs = 4 * max(1, num_sms)
     num_kv_splits = 1
     num_warps = 4
-    if base_programs < target_programs:
+    num_stages = 2
+    if (base_programs < LEAN_MAX_PROGRAMS_PER_SM * max(1, num_sms) and block_m == DOT_MIN_BLOCK_M
+            and shape.head_dim <= 128 and shape.kv_dtype != torch.float8_e4m3fn):
+        # Lean programs: at B*Hkv <= 256 they beat 64-token tiles with 4 warps at every split
+        # count in one H200 run (B=1 L=8k 14.3 vs 15.9 us, B=8 L=8k 71.6 vs 72.2 us, B=32 L=1k
+        # 39.2 vs 41.0 us; reports/NVIDIA_H200/2026-11-29/merge_fused_ab.txt, separate merge).
+        # 16 tokens at D = 128: 4 KiB K/V tiles; smaller head dims keep that tile size.
+        block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 3
+        num_kv_splits = max(1, round(LEAN_PROGRAMS_PER_SM * max(1, num_sms) / base_programs))
+    elif base_programs < target_programs:
         num_kv_splits = max(1, target_programs // base_programs)
         num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 64))
     elif shape.kv_dtype == torch.float8_e4m3fn:
@@ -208,7 +232,7 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
         num_kv_splits = min(8, shape.max_kv_len // 4096)
     config = KernelConfig(
         block_n=block_n, block_m=block_m, num_kv_splits=num_kv_splits, num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
     )
     return fit_config(config, shape)[0]
 
@@ -229,6 +253,37 @@ def scale_splits_to_batch(
         return config, ()
     note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: entry tuned at batch size "
             f"{tuned_batch_size}, scaled to keep its program count at batch size {batch_size}")
+    return dataclasses.replace(config, num_kv_splits=splits), (note,)
+
+
+def scale_splits_to_raggedness(
+    config: KernelConfig, shape: ProblemShape, num_sms: int
+) -> tuple[KernelConfig, tuple[str, ...]]:
+    """More splits for a ragged batch that runs as one wave of programs.
+
+    In one wave the kernel lasts as long as the longest request's split (longest / S tokens)
+    while the bytes are those of the mean length, so num_kv_splits grows by
+    shape.kv_len_spread = longest / mean: at most 4x, only while the programs stay within one
+    wave of ONE_WAVE_PROGRAMS_PER_SM per SM, and not below RAGGED_MIN_TILES_PER_SPLIT tiles a
+    split (H200, B=2 L=3k ragged: 11.4 us at 66 splits of ~3 tiles, 12.7 us at 88). Tables are
+    tuned on equal lengths; H200 held-out ragged shapes (lengths uniform in [L/2, L]) ran best
+    with ~1.3x the equal-length split count (docs/perf-notes.md). Several waves balance
+    themselves: no change.
+    """
+    factor = min(shape.kv_len_spread, MAX_RAGGED_SPLIT_FACTOR)
+    base = shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // config.block_m)
+    wave = ONE_WAVE_PROGRAMS_PER_SM * max(1, num_sms)
+    if factor < 1.1 or base * config.num_kv_splits * factor > wave:
+        return config, ()
+    # Splits of fewer than RAGGED_MIN_TILES_PER_SPLIT tiles are dominated by each program's
+    # fixed cost: never shorten the longest request's splits below that.
+    tiles = num_kv_tiles(shape.max_kv_len, config.block_n)
+    splits = min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * factor),
+                 max(config.num_kv_splits, tiles // RAGGED_MIN_TILES_PER_SPLIT))
+    if splits == config.num_kv_splits:
+        return config, ()
+    note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: ragged lengths (longest / mean "
+            f"= {shape.kv_len_spread:.2f}) in one wave of programs")
     return dataclasses.replace(config, num_kv_splits=splits), (note,)
 
 
@@ -276,11 +331,17 @@ def select_config(
 
     hit = tables.lookup(shape, device)
     if hit is not None:
-        config, scaled = scale_splits_to_batch(hit.kernel_config, hit.bucket[0], shape.batch_size)
+        tuned_batch = (hit.entry.tuned_batch_size if hit.entry and hit.entry.tuned_batch_size
+                       else hit.bucket[0])
+        config, scaled = scale_splits_to_batch(hit.kernel_config, tuned_batch, shape.batch_size)
+        config, ragged = scale_splits_to_raggedness(config, shape, device_num_sms(device))
         fitted, changes = fit_config(config, shape)
-        changes = scaled + changes
+        changes = scaled + ragged + changes
         return SelectedConfig(
             fitted, "table", table_path=hit.table_path, bucket=hit.bucket,
             adjustments=hit.notes + changes,
         )
-    return SelectedConfig(heuristic_config(shape, device_num_sms(device)), "heuristic")
+    num_sms = device_num_sms(device)
+    config, ragged = scale_splits_to_raggedness(heuristic_config(shape, num_sms), shape, num_sms)
+    fitted, changes = fit_config(config, shape)
+    return SelectedConfig(fitted, "heuristic", adjustments=ragged + changes)

@@ -180,6 +180,9 @@ class TableEntry:
     default_config: KernelConfig
     default_time_us: float
     default_bandwidth_gbs: float
+    # Batch size of the shape the entry was measured at (the bucket's largest); None (tables
+    # written before the field existed): the bucket's batch size.
+    tuned_batch_size: int | None = None
 
     @property
     def speedup(self) -> float:
@@ -195,13 +198,15 @@ class TableEntry:
             "default_config": self.default_config.to_dict(),
             "default_time_us": self.default_time_us,
             "default_bandwidth_gbs": self.default_bandwidth_gbs,
+            **({} if self.tuned_batch_size is None
+               else {"tuned_batch_size": self.tuned_batch_size}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "TableEntry":
         """Validate and build; raises TableFormatError (structure) or ValueError (a config
         outside today's config space)."""
-        _check_fields(data, "entry", _ENTRY_FIELDS)
+        _check_fields(data, "entry", _ENTRY_FIELDS, _ENTRY_OPTIONAL_FIELDS)
         return cls(
             kernel_config=KernelConfig.from_dict(data["kernel_config"]),
             time_us=float(data["time_us"]),
@@ -212,6 +217,7 @@ class TableEntry:
             default_config=KernelConfig.from_dict(data["default_config"]),
             default_time_us=float(data["default_time_us"]),
             default_bandwidth_gbs=float(data["default_bandwidth_gbs"]),
+            tuned_batch_size=data.get("tuned_batch_size"),
         )
 
 
@@ -332,6 +338,9 @@ _ENTRY_FIELDS: dict[str, tuple[Any, str]] = {
     "default_time_us": (lambda v: _is_number(v, positive=True), "a finite number > 0"),
     "default_bandwidth_gbs": (_is_number, "a finite number >= 0"),
 }
+_ENTRY_OPTIONAL_FIELDS: dict[str, tuple[Any, str]] = {
+    "tuned_batch_size": (lambda v: _is_int(v, 1), "an int >= 1"),
+}
 _BUCKET_FIELDS = {
     "batch_size": (_is_pow2, "a power of two >= 1"),
     "kv_len": (_is_pow2, "a power of two >= 1"),
@@ -359,16 +368,22 @@ _TOP_FIELDS = {
 }
 
 
-def _check_fields(data: object, where: str, fields: Mapping[str, tuple[Any, str]]) -> None:
+def _check_fields(
+    data: object, where: str, fields: Mapping[str, tuple[Any, str]],
+    optional: Mapping[str, tuple[Any, str]] | None = None,
+) -> None:
+    """Required ``fields`` present, no others than them and ``optional``; every value checked."""
+    optional = optional or {}
     if not isinstance(data, Mapping):
         _fail(where, f"expected an object, got {type(data).__name__}")
     missing = [k for k in fields if k not in data]
     if missing:
         _fail(where, f"missing field(s) {missing}")
-    unknown = [k for k in data if k not in fields]
+    unknown = [k for k in data if k not in fields and k not in optional]
     if unknown:
         _fail(where, f"unknown field(s) {unknown}")
-    for name, (check, what) in fields.items():
+    present = {k: v for k, v in optional.items() if k in data}
+    for name, (check, what) in {**fields, **present}.items():
         if not check(data[name]):
             _fail(f"{where}.{name}", f"expected {what}, got {data[name]!r}")
 
@@ -400,7 +415,7 @@ def validate_table_data(data: object) -> None:
             _fail(where, "expected a non-empty list of buckets")
         seen = set()
         for i, record in enumerate(records):
-            _check_fields(record, f"{where}[{i}]", _BUCKET_FIELDS)
+            _check_fields(record, f"{where}[{i}]", _BUCKET_FIELDS, _ENTRY_OPTIONAL_FIELDS)
             bucket = (record["batch_size"], record["kv_len"])
             if bucket in seen:
                 _fail(f"{where}[{i}]", f"duplicate bucket {bucket}")

@@ -898,7 +898,8 @@ class Tuner:
         bw = nbytes / (t_win * 1e-6) / 1e9 if nbytes else 0.0
         d_bw = nbytes / (d_med * 1e-6) / 1e9 if nbytes else 0.0
         frac = bw / self.copy_bw if self.copy_bw else None
-        entry = tables.TableEntry(winner, float(t_win), float(bw), frac, default, float(d_med), float(d_bw))
+        entry = tables.TableEntry(winner, float(t_win), float(bw), frac, default, float(d_med), float(d_bw),
+                                  tuned_batch_size=bucket.representative.batch_size)
         tables.merge_entries(self.paths.table, self.device_info,
                              {bucket.class_key: {bucket.bucket: entry}}, self.tuner_settings())
         final = {
@@ -922,7 +923,8 @@ class Tuner:
         winner, default = KernelConfig(**final["winner"]), KernelConfig(**final["default"])
         entry = tables.TableEntry(winner, float(final["time_us"]), float(final["bandwidth_gbs"]),
                                   final["fraction_of_copy"], default, float(final["default_time_us"]),
-                                  float(final["default_bandwidth_gbs"]))
+                                  float(final["default_bandwidth_gbs"]),
+                                  tuned_batch_size=bucket.representative.batch_size)
         tables.merge_entries(self.paths.table, self.device_info,
                              {bucket.class_key: {bucket.bucket: entry}}, self.tuner_settings())
         self.echo(f"  already tuned ({final['measured']} configs measured): {_short(winner)} "
