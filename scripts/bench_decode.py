@@ -121,8 +121,11 @@ def own_best_search(spec: ShapeSpec, sets, start: KernelConfig, num_sms: int, re
 
 
 def run_heldout(args, dev, copy_gbs: float, num_sms: int) -> list[dict]:
-    """Table-selected config vs each held-out shape's own best, timed in the same run."""
-    rows = []
+    """Table-selected config vs each held-out shape's own best, timed in the same run.
+
+    Returns one row per shape (kind "heldout") and one per config the search timed (kind
+    "heldout_search")."""
+    rows, search_rows = [], []
     print(f"{'shape':44s} {'table us':>9s} {'best us':>9s} {'ratio':>6s} {'ok':>4s}  selected | own best")
     for spec in heldout_suite():
         if not selected_by(args.only, spec.name):
@@ -153,11 +156,14 @@ def run_heldout(args, dev, copy_gbs: float, num_sms: int) -> list[dict]:
                          best_config=str(best_cfg), searched=len(ranked), rel_err=err,
                          pct_copy=100 * set_bytes(spec, sets[0]) / (table_us * 1e-6) / 1e9 / copy_gbs,
                          copy_gbs=copy_gbs, kind="heldout"))
+        # Every config the search timed (short replays), for looking at a miss afterwards.
+        search_rows += [dict(regime="held-out search", spec=spec.name, us=us, config=str(c),
+                             kind="heldout_search") for us, c in ranked]
         del sets
         torch.cuda.empty_cache()
     n_ok = sum(r["ok"] == "yes" for r in rows)
     print(f"# held-out: {n_ok} of {len(rows)} shapes within 5% of their own best")
-    return rows
+    return rows + search_rows
 
 
 def sweep_configs(spec: ShapeSpec, num_sms: int) -> list[KernelConfig]:
