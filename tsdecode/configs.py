@@ -211,9 +211,10 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     num_stages = 2
     if (base_programs < LEAN_MAX_PROGRAMS_PER_SM * max(1, num_sms) and block_m == DOT_MIN_BLOCK_M
             and shape.head_dim <= 128 and shape.kv_dtype != torch.float8_e4m3fn):
-        # Lean programs: at B*Hkv <= 256 they beat 64-token tiles with 4 warps at every split
-        # count in one H200 run (B=1 L=8k 14.3 vs 15.9 us, B=8 L=8k 71.6 vs 72.2 us, B=32 L=1k
-        # 39.2 vs 41.0 us; reports/NVIDIA_H200/2026-11-29/merge_fused_ab.txt, separate merge).
+        # Lean programs: the best tile family in 8 of 9 shapes at B*Hkv <= 256 in one H200 sweep
+        # (B=1 L=8k 14.3 vs 15.9 us for 64-token tiles at 4 warps, B=8 L=8k 71.6 vs 72.2 us,
+        # B=32 L=1k 39.2 vs 41.0 us; reports/NVIDIA_H200/2026-11-29/merge_fused_ab.txt, separate
+        # merge column).
         # 16 tokens at D = 128: 4 KiB K/V tiles; smaller head dims keep that tile size.
         block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 3
         num_kv_splits = max(1, round(LEAN_PROGRAMS_PER_SM * max(1, num_sms) / base_programs))
