@@ -178,21 +178,6 @@ def sweep_configs(spec: ShapeSpec, num_sms: int) -> list[KernelConfig]:
     return sorted(configs, key=lambda c: (c.block_n, c.num_warps, c.num_kv_splits))
 
 
-def chunk_sweep_configs(spec: ShapeSpec, selected: KernelConfig) -> list[KernelConfig]:
-    """Static vs dynamic splits (kv_chunks_per_split 1, 2, 4) over three tile families and split
-    counts around the selected one."""
-    shape = spec.to_problem_shape()
-    s0 = selected.num_kv_splits
-    configs = set()
-    for bn, w, st in ((selected.block_n, selected.num_warps, selected.num_stages), (16, 1, 3), (64, 4, 2)):
-        for splits in sorted({max(1, s0 // 2), max(1, (3 * s0) // 4), s0, (3 * s0 + 1) // 2, 2 * s0}):
-            for chunks in (1, 2, 4):
-                c = dataclasses.replace(selected, block_n=bn, num_warps=w, num_stages=st,
-                                        num_kv_splits=splits, kv_chunks_per_split=chunks)
-                configs.add(fit_config(c, shape)[0])
-    return sorted(configs, key=lambda c: (c.block_n, c.num_warps, c.num_kv_splits, c.kv_chunks_per_split))
-
-
 def time_config(spec: ShapeSpec, sets, config: KernelConfig | None,
                 replay_ms: float = 80.0) -> tuple[float, tsdecode.SelectedConfig]:
     wrappers = []
@@ -223,8 +208,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=("llama", "targets", "heldout"), default="llama")
     ap.add_argument("--sweep", action="store_true", help="also time a config sweep per shape")
-    ap.add_argument("--chunk-sweep", action="store_true",
-                    help="also time static vs dynamic splits (kv_chunks_per_split) per shape")
     ap.add_argument("--csv", default=None, help="write one row per (shape, config) here")
     ap.add_argument("--only", default=None, help="run only shapes whose name contains one of these comma-separated texts")
     args = ap.parse_args(argv)
@@ -270,18 +253,14 @@ def main(argv=None) -> int:
         gbs = nbytes / (us * 1e-6) / 1e9
         pct = 100 * gbs / copy_gbs
         best = (us, selected.kernel_config)
-        sweeping = (args.sweep or args.chunk_sweep) and t.regime != "geometry base"
-        if sweeping:
-            candidates = (sweep_configs(spec, num_sms) if args.sweep
-                          else chunk_sweep_configs(spec, selected.kernel_config))
-            for cfg in candidates:
+        if args.sweep and t.regime != "geometry base":
+            for cfg in sweep_configs(spec, num_sms):
                 try:
                     us_c, _ = time_config(spec, sets, cfg, replay_ms=20.0)
                 except Exception as exc:  # a config that fails to compile/launch is reported, not fatal
                     print(f"#   {cfg}: failed: {type(exc).__name__}: {str(exc)[:120]}")
                     continue
-                rows.append(dict(spec=spec.name, config=str(cfg), us=us_c, pct_copy=100 * nbytes / (us_c * 1e-6) / 1e9 / copy_gbs, kind="sweep",
-                                 chunks=cfg.kv_chunks_per_split))
+                rows.append(dict(spec=spec.name, config=str(cfg), us=us_c, pct_copy=100 * nbytes / (us_c * 1e-6) / 1e9 / copy_gbs, kind="sweep"))
                 if us_c < best[0]:
                     best = (us_c, cfg)
         if t.regime == "geometry base":
@@ -300,7 +279,7 @@ def main(argv=None) -> int:
         line = f"{t.regime:24s} {spec.name:40s} {us:9.1f} {gbs:7.0f} {pct:6.1f} {target:>8s} {ok_s:>4s}  {selected}"
         if err > 2e-2:
             line += f"  WRONG (rel err {err:.2e})"
-        if sweeping:
+        if args.sweep and t.regime != "geometry base":
             line += f"\n{'':24s} best of sweep: {best[0]:.1f} us ({100 * nbytes / (best[0] * 1e-6) / 1e9 / copy_gbs:.1f}%) {best[1]}"
         print(line, flush=True)
         rows.append(dict(regime=t.regime, spec=spec.name, us=us, gbs=gbs, pct_copy=pct, target=target,
@@ -308,28 +287,8 @@ def main(argv=None) -> int:
                          kind="default", copy_gbs=copy_gbs, best_us=best[0], best_config=str(best[1])))
         del sets
         torch.cuda.empty_cache()
-    if args.chunk_sweep:
-        print_chunk_summary(rows)
     write_csv(args.csv, rows)
     return 0
-
-
-def print_chunk_summary(rows: list[dict]) -> None:
-    """Per shape: the best time with static splits and with each dynamic chunk count."""
-    print("# chunk sweep: best us per kv_chunks_per_split (same run)")
-    specs = dict.fromkeys(r["spec"] for r in rows if r.get("kind") == "sweep")
-    for spec in specs:
-        best = {}
-        for r in rows:
-            if r.get("kind") == "sweep" and r["spec"] == spec:
-                c = r["chunks"]
-                if c not in best or r["us"] < best[c][0]:
-                    best[c] = (r["us"], r["config"])
-        static = best.get(1, (float("nan"), ""))[0]
-        parts = [f"c{c}: {us:8.1f} ({static / us:5.3f}x)" for c, (us, _) in sorted(best.items())]
-        print(f"# {spec:40s} " + "  ".join(parts))
-        for c, (us, cfg) in sorted(best.items()):
-            print(f"#  > c{c} best {cfg}")
 
 
 def set_bytes(spec: ShapeSpec, inputs) -> int:

@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # One GPU call: install carried wheels, run the GPU tests, then benchmarks (and optionally tuning
 # and a report). Usage: scripts/gpu_check.sh [STEP ...]   steps: tests bench nopdl sweep sweepsel
-# fp8bf16 targets heldout chunks timeline occupancy tune report.
+# fp8bf16 targets heldout occupancy tune report.
 # Default: tests bench. TUNE_ARGS / REPORT_ARGS override the tune / report grids and budgets
 # (TUNE_TAG suffixes the tune log's name; TUNE_OUT is the tune's table folder, default $OUT/tuned:
 # tuned_configs merges into the shipped table there, so later steps of the same call use it);
 # BENCH_ONLY limits the targets step to shapes whose name contains one of its comma-separated
-# texts; SWEEP_ONLY picks the target shapes the sweepsel step sweeps, CHUNK_ONLY those the chunks
-# step sweeps (static vs dynamic splits); TIMELINE_CHUNKS the chunk counts the timeline step compares.
+# texts; SWEEP_ONLY picks the target shapes the sweepsel step sweeps.
 # Logs and CSVs go to $OUT (the device tool's output folder) or ./gpu_out.
 set -u
 cd "$(dirname "$0")/.."
@@ -35,8 +34,6 @@ for step in $steps; do
     sweepsel) python3 scripts/bench_decode.py --suite targets --sweep --only "${SWEEP_ONLY:-B8_L8192_H32}" --csv "$OUT/sweepsel.csv" > "$OUT/sweepsel.log" 2>&1; grep -v "^#   " "$OUT/sweepsel.log" ;;
     fp8bf16) TSDECODE_FP8_COMPUTE=bfloat16 python3 scripts/bench_decode.py --suite targets --only float8 2>&1 | tee "$OUT/targets_fp8_bf16.log" ;;
     targets) python3 scripts/bench_decode.py --suite targets ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/targets.csv" 2>&1 | tee "$OUT/targets.log" ;;
-    chunks)  python3 scripts/bench_decode.py --suite targets --chunk-sweep --only "${CHUNK_ONLY:-B8_L8192_H32,B8_L8192_H64,B32_L1024_H32x8,B8_L1024,B1_L32768,B1_L8192,B1_L1024_,B32_L8192_H32x8}" --csv "$OUT/chunks.csv" > "$OUT/chunks.log" 2>&1; grep -v "^#   " "$OUT/chunks.log" ;;
-    timeline) python3 scripts/timeline.py --graph --chunks "${TIMELINE_CHUNKS:-1,2,4}" --csv "$OUT/timeline.csv" 2>&1 | tee "$OUT/timeline.log" ;;
     occupancy) python3 scripts/occupancy.py 2>&1 | tee "$OUT/occupancy.log" ;;
     heldout) python3 scripts/bench_decode.py --suite heldout --csv "$OUT/heldout.csv" 2>&1 | tee "$OUT/heldout.log" | grep -v "^#   " ;;
     tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "${TUNE_OUT:-$OUT/tuned}" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -40 ;;

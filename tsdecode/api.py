@@ -15,7 +15,7 @@ import torch
 
 from . import validation as V
 from .configs import KernelConfig, ProblemShape, SelectedConfig, select_config
-from .kernels.decode import LaunchGeometry, Scratch, allocate_scratch, interpreter_active, launch_decode
+from .kernels.decode import LaunchGeometry, allocate_scratch, interpreter_active, launch_decode
 
 __all__ = ["batch_decode_with_paged_kv_cache", "BatchDecodePagedTSWrapper"]
 
@@ -34,7 +34,7 @@ class _Plan:
     block_tables: torch.Tensor  # the caller's tensor: live page IDs are read every run
     seq_lens: torch.Tensor  # the caller's tensor (bind_seq_lens) or a plan-owned copy
     qo_indptr: torch.Tensor | None  # plan-owned copy
-    scratch: Scratch | None
+    scratch: tuple[torch.Tensor, torch.Tensor] | None
     max_page_id: int  # largest page ID validated at plan time
 
 

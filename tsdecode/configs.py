@@ -21,9 +21,6 @@ BLOCK_N_CHOICES = (16, 32, 64, 128, 256)  # K/V tokens per tile
 BLOCK_M_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)  # packed query rows (G heads x SQ tokens) per program
 NUM_WARPS_CHOICES = (1, 2, 4, 8)
 NUM_STAGES_CHOICES = (1, 2, 3, 4)
-KV_CHUNKS_PER_SPLIT_CHOICES = (1, 2, 4, 8)
-# KernelConfig fields added after the first tables were written; missing means the default.
-OPTIONAL_CONFIG_FIELDS = frozenset({"kv_chunks_per_split"})
 MAX_NUM_KV_SPLITS = 1024
 # block_m below this uses FMA reductions instead of tl.dot (tl.dot needs M >= 16).
 DOT_MIN_BLOCK_M = 16
@@ -53,12 +50,6 @@ class KernelConfig:
                    > 1 adds a merge kernel and fp32 scratch of num_kv_splits partial outputs.
     num_warps:     warps per program.
     num_stages:    software-pipelining depth of the K/V loop.
-    kv_chunks_per_split: 1 = static splits (split s reads the s-th of S equal tile ranges).
-                   C > 1 = dynamic splits: each request's tiles are cut into S * C chunks; split
-                   s reads chunk s, then the splits of the same request and KV head take the
-                   remaining chunks in the order they finish (an atomic counter per request and
-                   KV head). Balances programs slowed by DRAM; the summation order then varies
-                   from run to run (results are not bitwise reproducible). Ignored at S = 1.
     """
 
     block_n: int = 64
@@ -66,7 +57,6 @@ class KernelConfig:
     num_kv_splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
-    kv_chunks_per_split: int = 1
 
     def validate(self) -> None:
         """Raise ValueError if a field lies outside the config space."""
@@ -75,7 +65,6 @@ class KernelConfig:
             ("block_m", BLOCK_M_CHOICES),
             ("num_warps", NUM_WARPS_CHOICES),
             ("num_stages", NUM_STAGES_CHOICES),
-            ("kv_chunks_per_split", KV_CHUNKS_PER_SPLIT_CHOICES),
         ):
             value = getattr(self, name)
             if type(value) is not int or value not in choices:
@@ -95,16 +84,11 @@ class KernelConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "KernelConfig":
-        """Build and validate a config from a mapping with the dataclass fields (the optional
-        ones, OPTIONAL_FIELDS, may be missing: tables written before they existed)."""
+        """Build and validate a config from a mapping with exactly the dataclass fields."""
         names = {f.name for f in dataclasses.fields(cls)}
-        if (not isinstance(data, Mapping) or not set(data) <= names
-                or not names - OPTIONAL_CONFIG_FIELDS <= set(data)):
-            raise ValueError(
-                f"a KernelConfig needs the keys {sorted(names - OPTIONAL_CONFIG_FIELDS)} (optional: "
-                f"{sorted(OPTIONAL_CONFIG_FIELDS)}) and no others, got {data!r}"
-            )
-        config = cls(**{k: data[k] for k in names if k in data})
+        if not isinstance(data, Mapping) or set(data) != names:
+            raise ValueError(f"a KernelConfig needs exactly the keys {sorted(names)}, got {data!r}")
+        config = cls(**{k: data[k] for k in names})
         config.validate()
         return config
 

@@ -72,34 +72,113 @@ def pdl_enabled(device: torch.device) -> bool:
 
 
 @triton.jit
-def _globaltimer(like):
-    """The GPU's global nanosecond timer (same clock on every SM); `like`: any int32 scalar."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [like], dtype=tl.int64,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _smid(like):
-    """Index of the SM running this program."""
-    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [like], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _attend_tiles(
-    m_i, l_i, acc, q, tile_begin, tile_end, kv_len, row_lo, row_end, bt_row, k_head, v_head,
-    stride_k_page, stride_v_page, qk_scale_log2,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+def _split_kv_kernel(
+    # pointers
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qo_indptr_ptr,
+    out_ptr, partial_o_ptr, partial_lse_ptr,
+    # scalars
+    qk_scale_log2,  # bmm1_scale * log2(e)
+    bmm2_scale,
+    window_left,
+    max_kv_len,  # live lengths are clamped to this (plan-validated block-table columns)
+    num_kv_heads,
+    num_kv_splits,  # runtime value: changing it does not recompile this kernel
+    # strides (elements); q/out token strides apply within a request, batch strides across
+    stride_q_batch, stride_q_tok, stride_q_head,
+    stride_o_batch, stride_o_tok, stride_o_head,
+    stride_k_page, stride_k_head,
+    stride_v_page, stride_v_head,
+    stride_bt_row,
+    stride_po_tok, stride_po_head, stride_po_split,
+    stride_lse_tok, stride_lse_head,
+    # meta-parameters
+    GROUP_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SEQ_LEN_Q: tl.constexpr,  # fixed SQ, or packed capacity (max_seq_len_q)
+    PACKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    NUM_M_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,  # num_kv_splits == 1: write the final output, no merge
+    USE_DOT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    COMPUTE_DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm90+)
 ):
-    """Online softmax over K/V tiles [tile_begin, tile_end) of one request and KV head.
+    if USE_PDL:
+        # Inputs may come from the previous kernel in the stream: wait for it before any load,
+        # then let the merge kernel launch early (it waits for this grid before reading).
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    m_block = pid % NUM_M_BLOCKS
+    bh = pid // NUM_M_BLOCKS
+    kv_head = bh % num_kv_heads
+    b = bh // num_kv_heads
 
-    m_i, l_i: [BLOCK_M] running max and sum (base 2); acc: [BLOCK_M, BLOCK_D] fp32 output sum.
-    """
-    offs_n = tl.arange(0, BLOCK_N)
+    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv_len)
+    if PACKED:
+        qo_start = tl.load(qo_indptr_ptr + b)
+        qo_len = tl.load(qo_indptr_ptr + b + 1) - qo_start
+        tok_base = qo_start  # global token index of this request's first query token
+    else:
+        qo_start = 0
+        qo_len = SEQ_LEN_Q
+        tok_base = b * SEQ_LEN_Q
+
+    # Packed rows of this program: row = token * G + head-in-group.
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP_SIZE
+    head = kv_head * GROUP_SIZE + rows % GROUP_SIZE
+    row_valid = (rows < GROUP_SIZE * SEQ_LEN_Q) & (tok < qo_len)
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
+
+    # Visible keys of each row: [row_lo, row_end).
+    if CAUSAL:
+        row_end = kv_len - qo_len + tok + 1
+    else:
+        row_end = tl.zeros([BLOCK_M], dtype=tl.int32) + kv_len
+    if WINDOW:
+        row_lo = tl.maximum(row_end - window_left - 1, 0)
+    else:
+        row_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+    # Key range of the whole program: the first row's window starts earliest, keys end at kv_len.
+    first_tok = tl.minimum((m_block * BLOCK_M) // GROUP_SIZE, qo_len - 1)
+    if WINDOW:  # validation allows a window only with the causal mask
+        prog_lo = tl.maximum(kv_len - qo_len + first_tok - window_left, 0)
+    else:
+        prog_lo = 0
+    tile_lo = prog_lo // BLOCK_N
+    tile_hi = tl.cdiv(kv_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(tile_hi - tile_lo, num_kv_splits)
+    tile_begin = tile_lo + split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tile_hi)
+
+    q_ptrs = (
+        q_ptr + b * stride_q_batch + (qo_start + tok)[:, None] * stride_q_tok
+        + head[:, None] * stride_q_head + offs_d[None, :]
+    )
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(COMPUTE_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt_row
+    k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
+    v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
+    offs_n = tl.arange(0, BLOCK_N)
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
         n = tile * BLOCK_N + offs_n
         n_valid = n < kv_len
@@ -146,162 +225,8 @@ def _attend_tiles(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _split_kv_kernel(
-    # pointers
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qo_indptr_ptr,
-    out_ptr, partial_o_ptr, partial_lse_ptr,
-    counters_ptr,  # int32 per program of dim 0, zero between launches (KV_CHUNKS_PER_SPLIT > 1)
-    timeline_ptr,  # int64 [programs, 4]: start ns, end ns, SM, chunks done (TIMELINE only)
-    # scalars
-    qk_scale_log2,  # bmm1_scale * log2(e)
-    bmm2_scale,
-    window_left,
-    max_kv_len,  # live lengths are clamped to this (plan-validated block-table columns)
-    num_kv_heads,
-    num_kv_splits,  # runtime value: changing it does not recompile this kernel
-    # strides (elements); q/out token strides apply within a request, batch strides across
-    stride_q_batch, stride_q_tok, stride_q_head,
-    stride_o_batch, stride_o_tok, stride_o_head,
-    stride_k_page, stride_k_head,
-    stride_v_page, stride_v_head,
-    stride_bt_row,
-    stride_po_tok, stride_po_head, stride_po_split,
-    stride_lse_tok, stride_lse_head,
-    # meta-parameters
-    GROUP_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    SEQ_LEN_Q: tl.constexpr,  # fixed SQ, or packed capacity (max_seq_len_q)
-    PACKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    NUM_M_BLOCKS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DIRECT_OUT: tl.constexpr,  # num_kv_splits == 1: write the final output, no merge
-    USE_DOT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    COMPUTE_DTYPE: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm90+)
-    KV_CHUNKS_PER_SPLIT: tl.constexpr,  # 1: static splits; C > 1: S * C chunks taken dynamically
-    TIMELINE: tl.constexpr,  # record when and where each program ran (measurement only)
-):
-    if USE_PDL:
-        # Inputs may come from the previous kernel in the stream: wait for it before any load,
-        # then let the merge kernel launch early (it waits for this grid before reading).
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    split = tl.program_id(1)
-    if TIMELINE:
-        t_start = _globaltimer(pid)
-    m_block = pid % NUM_M_BLOCKS
-    bh = pid // NUM_M_BLOCKS
-    kv_head = bh % num_kv_heads
-    b = bh // num_kv_heads
-
-    kv_len = tl.minimum(tl.load(seq_lens_ptr + b), max_kv_len)
-    if PACKED:
-        qo_start = tl.load(qo_indptr_ptr + b)
-        qo_len = tl.load(qo_indptr_ptr + b + 1) - qo_start
-        tok_base = qo_start  # global token index of this request's first query token
-    else:
-        qo_start = 0
-        qo_len = SEQ_LEN_Q
-        tok_base = b * SEQ_LEN_Q
-
-    # Packed rows of this program: row = token * G + head-in-group.
-    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = rows // GROUP_SIZE
-    head = kv_head * GROUP_SIZE + rows % GROUP_SIZE
-    row_valid = (rows < GROUP_SIZE * SEQ_LEN_Q) & (tok < qo_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_valid = offs_d < HEAD_DIM
-
-    # Visible keys of each row: [row_lo, row_end).
-    if CAUSAL:
-        row_end = kv_len - qo_len + tok + 1
-    else:
-        row_end = tl.zeros([BLOCK_M], dtype=tl.int32) + kv_len
-    if WINDOW:
-        row_lo = tl.maximum(row_end - window_left - 1, 0)
-    else:
-        row_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
-    # Key range of the whole program: the first row's window starts earliest, keys end at kv_len.
-    first_tok = tl.minimum((m_block * BLOCK_M) // GROUP_SIZE, qo_len - 1)
-    if WINDOW:  # validation allows a window only with the causal mask
-        prog_lo = tl.maximum(kv_len - qo_len + first_tok - window_left, 0)
-    else:
-        prog_lo = 0
-    tile_lo = prog_lo // BLOCK_N
-    tile_hi = tl.cdiv(kv_len, BLOCK_N)
-
-    q_ptrs = (
-        q_ptr + b * stride_q_batch + (qo_start + tok)[:, None] * stride_q_tok
-        + head[:, None] * stride_q_head + offs_d[None, :]
-    )
-    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(COMPUTE_DTYPE)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt_row
-    k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
-    v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
-    if KV_CHUNKS_PER_SPLIT == 1:
-        # Static split: split s owns tiles [s * T, (s + 1) * T) of the program's range.
-        tiles_per_split = tl.cdiv(tile_hi - tile_lo, num_kv_splits)
-        tile_begin = tile_lo + split * tiles_per_split
-        tile_end = tl.minimum(tile_begin + tiles_per_split, tile_hi)
-        m_i, l_i, acc = _attend_tiles(
-            m_i, l_i, acc, q, tile_begin, tile_end, kv_len, row_lo, row_end, bt_row, k_head, v_head,
-            stride_k_page, stride_v_page, qk_scale_log2,
-            HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, USE_DOT, DOT_FP32, COMPUTE_DTYPE, NUM_STAGES,
-        )
-        chunks_done = 1
-    else:
-        # Dynamic split: the range is cut into S * C chunks; split s first takes chunk s, then
-        # the programs of this (request, KV head, row block) take chunks S, S + 1, ... in the
-        # order they finish (an atomic counter), so a program slowed by DRAM gets fewer tiles.
-        # Every program makes exactly one failing take, so the counter ends at S * C; the take
-        # that returns S * C - 1 is the last one and resets it to 0 for the next launch.
-        num_chunks = num_kv_splits * KV_CHUNKS_PER_SPLIT
-        chunk_tiles = tl.cdiv(tile_hi - tile_lo, num_chunks)
-        counter = counters_ptr + pid
-        chunk = split
-        chunks_done = 0
-        while chunk < num_chunks:
-            tile_begin = tile_lo + chunk * chunk_tiles
-            tile_end = tl.minimum(tile_begin + chunk_tiles, tile_hi)
-            m_i, l_i, acc = _attend_tiles(
-                m_i, l_i, acc, q, tile_begin, tile_end, kv_len, row_lo, row_end, bt_row, k_head,
-                v_head, stride_k_page, stride_v_page, qk_scale_log2,
-                HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, USE_DOT, DOT_FP32, COMPUTE_DTYPE, NUM_STAGES,
-            )
-            chunks_done += 1
-            taken = tl.atomic_add(counter, 1, sem="relaxed")
-            tl.atomic_xchg(counter, 0, mask=taken == num_chunks - 1, sem="relaxed")
-            chunk = num_kv_splits + taken
-
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
-    if TIMELINE:
-        rec = timeline_ptr + (split * tl.num_programs(0) + pid).to(tl.int64) * 4
-        tl.store(rec, t_start)
-        tl.store(rec + 1, _globaltimer(pid))
-        tl.store(rec + 2, _smid(pid).to(tl.int64))
-        tl.store(rec + 3, chunks_done.to(tl.int64))
     out_mask = row_valid[:, None] & d_valid[None, :]
     if DIRECT_OUT:
         o_ptrs = (
@@ -430,15 +355,10 @@ class LaunchGeometry:
         return self.num_qo_heads // self.num_kv_heads
 
 
-Scratch = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]
-
-
 def allocate_scratch(
     geometry: LaunchGeometry, config: KernelConfig, device: torch.device
-) -> Scratch | None:
-    """None if S = 1; else fp32 partial outputs [total_q, Hq, S, D], log2-sum-exps
-    [total_q, Hq, S] and, for dynamic splits (kv_chunks_per_split > 1), int32 chunk counters
-    [B * Hkv * row blocks], zeroed here and left zeroed by every launch."""
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """fp32 partial outputs [total_q, Hq, S, D] and log2-sum-exps [total_q, Hq, S]; None if S=1."""
     splits = config.num_kv_splits
     if splits == 1:
         return None
@@ -447,11 +367,7 @@ def allocate_scratch(
         (g.total_q, g.num_qo_heads, splits, g.head_dim), dtype=torch.float32, device=device
     )
     partial_lse = torch.empty((g.total_q, g.num_qo_heads, splits), dtype=torch.float32, device=device)
-    counters = None
-    if config.kv_chunks_per_split > 1:
-        m_blocks = -(-(g.group_size * g.seq_len_q) // config.block_m)
-        counters = torch.zeros(g.batch_size * g.num_kv_heads * m_blocks, dtype=torch.int32, device=device)
-    return partial_o, partial_lse, counters
+    return partial_o, partial_lse
 
 
 def _q_strides(t: torch.Tensor, packed: bool) -> tuple[int, int, int]:
@@ -471,23 +387,18 @@ def launch_decode(
     seq_lens: torch.Tensor,
     qo_indptr: torch.Tensor | None,
     out: torch.Tensor,
-    scratch: Scratch | None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None,
     geometry: LaunchGeometry,
     config: KernelConfig,
     bmm1_scale: float,
     bmm2_scale: float,
     merge_total_q: int | None = None,
-    timeline: torch.Tensor | None = None,
 ) -> None:
     """Launch pass 1 (and the merge when config.num_kv_splits > 1). No host sync, no allocation.
 
     merge_total_q: the query-token count the merge's tiling is chosen for (default
     geometry.total_q); a warm-up launch on a smaller grid passes the plan's so it compiles the
     same merge kernel the plan's runs use.
-
-    timeline: int64 [programs, 4] or None; if given, each split-pass program records its start and
-    end (ns, %globaltimer), SM and chunks done, program index = split * (B * Hkv * row blocks) +
-    (request, KV head, row block) (measurement only: scripts/timeline.py; not in the interpreter).
 
     q/out: [B, Hq, D], [B, SQ, Hq, D] or packed [total_q, Hq, D]; k_cache/v_cache: views
     [num_pages, Hkv, P, D] with compact inner strides (the page stride may be padded).
@@ -500,13 +411,8 @@ def launch_decode(
     sq_b, sq_t, sq_h = _q_strides(q, g.packed)
     so_b, so_t, so_h = _q_strides(out, g.packed)
     splits = config.num_kv_splits
-    chunks = config.kv_chunks_per_split if splits > 1 else 1
-    counters = out
     if splits > 1:
-        partial_o, partial_lse, counters = scratch
-        if chunks > 1 and counters is None:
-            raise ValueError("scratch has no chunk counters: allocate it with this config")
-        counters = counters if counters is not None else out
+        partial_o, partial_lse = scratch
         po_strides = (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2))
         lse_strides = (partial_lse.stride(0), partial_lse.stride(1))
     else:
@@ -517,7 +423,7 @@ def launch_decode(
     grid = (g.batch_size * g.num_kv_heads * num_m_blocks, splits)
     _split_kv_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, indptr,
-        out, partial_o, partial_lse, counters, timeline if timeline is not None else out,
+        out, partial_o, partial_lse,
         float(bmm1_scale) * LOG2E, float(bmm2_scale), int(g.window_left), int(g.max_kv_len),
         g.num_kv_heads, splits,
         sq_b, sq_t, sq_h,
@@ -531,7 +437,6 @@ def launch_decode(
         NUM_M_BLOCKS=num_m_blocks, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot, DOT_FP32=interp,
         COMPUTE_DTYPE=compute_dtype(q.dtype, k_cache.dtype), NUM_STAGES=config.num_stages, USE_PDL=pdl,
-        KV_CHUNKS_PER_SPLIT=chunks, TIMELINE=timeline is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     if splits > 1:
