@@ -1,10 +1,14 @@
 """Run a few decode shapes once each (eager) so a profiler (ncu) can time each kernel alone.
 
 Usage: ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum python scripts/ncu_probe.py
+       [--kv-dtype float8_e4m3fn] [B:L ...]
+Shapes are llama3-8b (Hq=32, Hkv=8, D=128, P=16), table or heuristic config; default
+8:8192 1:32768 1:1024 32:1024 32:8192.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -16,10 +20,14 @@ import tsdecode  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
 from tuner.measure import make_inputs  # noqa: E402
 
-SHAPES = [(8, 8192), (1, 32768), (1, 1024), (32, 1024), (32, 8192)]
+ap = argparse.ArgumentParser()
+ap.add_argument("shapes", nargs="*", default=["8:8192", "1:32768", "1:1024", "32:1024", "32:8192"])
+ap.add_argument("--kv-dtype", default="bfloat16")
+args = ap.parse_args()
 
-for b, l in SHAPES:
-    spec = ShapeSpec(batch_size=b, kv_len=l)
+for text in args.shapes:
+    b, l = (int(x) for x in text.split(":"))
+    spec = ShapeSpec(batch_size=b, kv_len=l, kv_dtype=args.kv_dtype)
     s = make_inputs(spec, "cuda", copies=1, seed=1)[0]
     w = tsdecode.BatchDecodePagedTSWrapper()
     w.plan(s.block_tables, s.seq_lens, 32, 8, 128, 16, q_data_type=s.q.dtype,
