@@ -45,6 +45,12 @@ def make_entry(num_warps=4, **kw) -> TableEntry:
     )
 
 
+def kept_default(entry: TableEntry) -> TableEntry:
+    """The entry as if tuning kept the heuristic default (its config is its default)."""
+    return dataclasses.replace(entry, default_config=entry.kernel_config,
+                               default_time_us=entry.time_us, default_bandwidth_gbs=entry.bandwidth_gbs)
+
+
 def write(folder: Path, device=H200, entries=None, shape=None, num_warps=4) -> Path:
     """merge_entries one entry (the bucket of ``shape``) into folder/<device file>."""
     shape = shape or make_shape()
@@ -561,7 +567,7 @@ def test_table_entry_from_another_batch_size_keeps_its_program_count(tmp_path):
     assert scale_splits_to_batch(tuned, 32, 128)[0].num_kv_splits == 1
     # through select_config: a nearest-bucket hit gets the scaled split count
     key = tables.problem_class_key(make_shape())
-    write(tmp_path, entries={key: {(32, 8192): make_entry(num_kv_splits=2)}})
+    write(tmp_path, entries={key: {(32, 8192): kept_default(make_entry(num_kv_splits=2))}})
     tables.clear_cache()
     tables.set_config_path(tmp_path)
     tables.set_device_info_override(H200)
@@ -603,7 +609,7 @@ def test_entry_scales_splits_from_the_batch_size_it_was_tuned_at(tmp_path):
     import dataclasses as dc
 
     key = tables.problem_class_key(make_shape())
-    tuned = dc.replace(make_entry(num_kv_splits=4), tuned_batch_size=3)
+    tuned = dc.replace(kept_default(make_entry(num_kv_splits=4)), tuned_batch_size=3)
     path = write(tmp_path, entries={key: {(4, 8192): tuned}})
     assert json.loads(path.read_text())["entries"][key][0]["tuned_batch_size"] == 3
     assert tables.load_table(path).entries[key][(4, 8192)] == tuned
@@ -613,7 +619,7 @@ def test_entry_scales_splits_from_the_batch_size_it_was_tuned_at(tmp_path):
     try:
         same = select_config(make_shape(batch_size=3, kv_len=8192), CPU)
         one = select_config(make_shape(batch_size=1, kv_len=8192), CPU)
-        write(tmp_path, entries={key: {(4, 8192): make_entry(num_kv_splits=4)}})  # no field
+        write(tmp_path, entries={key: {(4, 8192): kept_default(make_entry(num_kv_splits=4))}})  # no field
         tables.clear_cache()
         legacy = select_config(make_shape(batch_size=3, kv_len=8192), CPU)
     finally:
@@ -667,3 +673,50 @@ def test_plan_passes_the_length_spread_of_fixed_lengths_only(monkeypatch):
     w.plan(table, lens, 8, 2, 64, 16)
     w.plan(table, lens, 8, 2, 64, 16, bind_seq_lens=True, max_kv_len=300)
     assert [s.kv_len_spread for s in seen] == [1.5, 1.0]
+
+
+def test_tuned_winner_is_used_in_its_own_bucket_only(tmp_path):
+    """An entry that beat its heuristic default serves shapes of its bucket; a shape in another
+    bucket gets the heuristic, with a note naming the entry. An entry that kept the default
+    still serves as the nearest bucket."""
+    from tsdecode.configs import heuristic_config
+
+    key = tables.problem_class_key(make_shape())
+    winner = make_entry(num_warps=1, block_n=32, num_stages=3)
+    kept = kept_default(make_entry(num_warps=1, block_n=16, num_stages=3, num_kv_splits=4))
+    write(tmp_path, entries={key: {(256, 4096): winner, (8, 1024): kept}})
+    tables.clear_cache()
+    tables.set_config_path(tmp_path)
+    tables.set_device_info_override(H200)
+    try:
+        own = select_config(make_shape(batch_size=200, kv_len=3000), CPU)
+        other = select_config(make_shape(batch_size=96, kv_len=3000), CPU)
+        near_kept = select_config(make_shape(batch_size=8, kv_len=2000), CPU)
+    finally:
+        tables.set_config_path(None)
+        tables.set_device_info_override(None)
+        tables.clear_cache()
+    assert own.source == "table" and own.kernel_config == winner.kernel_config
+    assert other.source == "heuristic"
+    assert other.kernel_config == heuristic_config(make_shape(batch_size=96, kv_len=3000), 132)
+    assert any("tuned winner" in a and "(256, 4096)" in a for a in other.adjustments)
+    assert near_kept.source == "table" and near_kept.bucket == (8, 1024)
+
+
+def test_heuristic_adds_splits_only_to_fill_a_mostly_empty_last_wave():
+    """16-bit cache, L < 8k, >= 4 B*Hkv programs per SM (waves of 5 programs per SM): 768
+    programs are 1.16 waves -> 2 splits (the mean request of a 4/3-spread batch has 35 tiles:
+    at most 2 splits of >= 12 tiles); 2048 programs (3.1 waves) -> 2 splits (6.2 waves); a last
+    wave >= 2/3 full, or L=1k (16 tiles), keeps 1 split."""
+    from tsdecode.configs import heuristic_config
+
+    def splits(b, n, spread=1.0):
+        return heuristic_config(make_shape(batch_size=b, kv_len=n, kv_len_spread=spread), 132).num_kv_splits
+
+    assert splits(96, 3000, 4 / 3) == 2
+    assert splits(256, 4096) == 2
+    assert splits(128, 4096) == 3  # 1.55 -> 3.1 (last wave 10% full) -> 4.65 waves
+    assert splits(150, 4096) == 1  # 1.82 waves: the last one is 82% full
+    assert splits(128, 1024) == 1
+    assert splits(200, 1500, 4 / 3) == 1  # 17 mean tiles: no room for 12-tile splits
+    assert splits(128, 8192) == 2  # L >= 8k: the long-K/V rule, unchanged

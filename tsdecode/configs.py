@@ -33,6 +33,15 @@ LEAN_PROGRAMS_PER_SM = 8
 ONE_WAVE_PROGRAMS_PER_SM = 12
 MAX_RAGGED_SPLIT_FACTOR = 4.0
 RAGGED_MIN_TILES_PER_SPLIT = 8
+# heuristic_config's multi-wave rule (16-bit caches, K/V shorter than 8k, at least 4 B*Hkv programs
+# per SM): programs of 64-token tiles at 4 warps and 2 stages resident per H200 SM (96 registers,
+# 38.9 KB shared: reports/NVIDIA_H200/2026-11-29/occupancy.txt); splits are added until the last
+# wave is at least MIN_LAST_WAVE_FILL full or there are FULL_WAVES waves, keeping at least
+# MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request per split.
+RESIDENT_PROGRAMS_PER_SM = 5
+FULL_WAVES = 4
+MIN_LAST_WAVE_FILL = 2 / 3
+MULTIWAVE_MIN_TILES_PER_SPLIT = 12
 # The FMA path materialises a [block_m, block_n, block_d] product; cap it so it stays in registers.
 FMA_MAX_TILE_ELEMENTS = 32768
 
@@ -198,7 +207,8 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     3 stages) and splits for about 8 of them per SM. Otherwise splits fill about 4 programs per
     SM when B*Hkv programs cannot, down to one 64-token tile per split; at large batch with long
     K/V, a few splits of narrower tiles (block_n=32) still help (shorter dependent chains, better
-    tail balance).
+    tail balance); at large batch with shorter K/V, splits only where they fill a mostly empty
+    last wave (``splits_for_full_waves``).
     """
     rows = shape.rows_per_kv_head
     block_m = min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
@@ -231,11 +241,36 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     elif shape.max_kv_len >= 8192:
         block_n = 32
         num_kv_splits = min(8, shape.max_kv_len // 4096)
+    else:
+        num_kv_splits = splits_for_full_waves(shape, base_programs, block_n, num_sms)
     config = KernelConfig(
         block_n=block_n, block_m=block_m, num_kv_splits=num_kv_splits, num_warps=num_warps,
         num_stages=num_stages,
     )
     return fit_config(config, shape)[0]
+
+
+def splits_for_full_waves(shape: ProblemShape, base_programs: int, block_n: int, num_sms: int) -> int:
+    """Splits that avoid a mostly empty last wave when B*Hkv programs already fill the GPU.
+
+    Waves = base_programs * S / (RESIDENT_PROGRAMS_PER_SM * SMs). S grows from 1 until the last
+    wave is at least MIN_LAST_WAVE_FILL full or there are FULL_WAVES waves, but each split keeps
+    at least MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request (mean = max_kv_len /
+    kv_len_spread). H200, 64-token tiles at 4 warps: B=96 ragged L <= 3000 (768 programs, 1.16
+    waves) 236 us at S=1, 219 at S=2, 214 at S=4; B=256 L=4k 1009 us at S=1, 987 at S=2; at
+    L=1k (16 tiles) S=2 was slower than S=1 (B=128: 149 vs 138 us), hence the tile floor
+    (docs/perf-notes.md).
+    """
+    wave = RESIDENT_PROGRAMS_PER_SM * max(1, num_sms)
+    mean_tiles = shape.max_kv_len / max(1.0, shape.kv_len_spread) / block_n
+    max_splits = max(1, int(mean_tiles // MULTIWAVE_MIN_TILES_PER_SPLIT))
+    splits = 1
+    while splits < max_splits:
+        waves = base_programs * splits / wave
+        if waves >= FULL_WAVES or waves - (math.ceil(waves) - 1) >= MIN_LAST_WAVE_FILL:
+            break
+        splits += 1
+    return splits
 
 
 def scale_splits_to_batch(
@@ -331,6 +366,16 @@ def select_config(
     from . import tables  # local import: tables imports this module
 
     hit = tables.lookup(shape, device)
+    off_bucket_winner: tuple[str, ...] = ()
+    if hit is not None and _is_off_bucket_winner(hit, shape, tables.bucket_of):
+        # A tuned winner beat the heuristic at its own bucket's shape only; H200 held-out shapes
+        # in other buckets ran 1.04-1.11x slower than their best with such entries and within
+        # 1.00-1.02x with the heuristic (docs/perf-notes.md), so off its bucket it is not used.
+        off_bucket_winner = hit.notes + (
+            f"bucket {hit.bucket} holds a tuned winner ({hit.kernel_config}) that beat the "
+            f"heuristic at that bucket only; shapes outside it use the heuristic",
+        )
+        hit = None
     if hit is not None:
         tuned_batch = (hit.entry.tuned_batch_size if hit.entry and hit.entry.tuned_batch_size
                        else hit.bucket[0])
@@ -345,4 +390,12 @@ def select_config(
     num_sms = device_num_sms(device)
     config, ragged = scale_splits_to_raggedness(heuristic_config(shape, num_sms), shape, num_sms)
     fitted, changes = fit_config(config, shape)
-    return SelectedConfig(fitted, "heuristic", adjustments=ragged + changes)
+    return SelectedConfig(fitted, "heuristic", adjustments=off_bucket_winner + ragged + changes)
+
+
+def _is_off_bucket_winner(hit, shape: ProblemShape, bucket_of) -> bool:
+    """The table hit is another bucket's entry whose config differs from the heuristic default
+    it was measured against."""
+    if hit.bucket == bucket_of(shape.batch_size, shape.max_kv_len):
+        return False
+    return hit.entry is not None and hit.entry.kernel_config != hit.entry.default_config
