@@ -538,13 +538,24 @@ def test_plan_picks_a_table_entry_end_to_end(tmp_path, monkeypatch):
 
 
 def test_explain(tmp_path):
+    """explain shows the config plan would use: the nearest entry scaled to the batch size (4
+    splits tuned at B=64 -> 6 at B=40), and the heuristic instead of another bucket's winner."""
+    from tsdecode.configs import heuristic_config
+
     key = tables.problem_class_key(make_shape())
-    write(tmp_path, entries={key: {(64, 8192): make_entry(8, num_kv_splits=4)}})
+    write(tmp_path, entries={key: {(64, 8192): kept_default(make_entry(8, num_kv_splits=4)),
+                                   (8, 1024): make_entry(8, num_kv_splits=2)}})
     text = tsdecode.explain(40, 3000, 32, 8, 128, config_dir=tmp_path, device_info=H200)
     assert f"class: {key}" in text and "bucket: (64, 4096)" in text
     assert f"source: table {tmp_path / 'NVIDIA_H200.json'} bucket (64, 8192)" in text
     assert "note: nearest bucket (64, 8192) for (40, 3000)" in text
-    assert "(1.25x)" in text and "num_warps=8" in text
+    assert "(1.00x)" in text and "num_warps=8" in text and "num_kv_splits=6" in text
+    off = tsdecode.explain(8, 1500, 32, 8, 128, config_dir=tmp_path, device_info=H200)
+    assert "source: heuristic (the table entry of bucket (8, 1024) is not used here)" in off
+    assert f"config: {heuristic_config(make_shape(batch_size=8, kv_len=1500), 132)}" in off
+    assert "tuned winner" in off
+    own = tsdecode.explain(7, 1000, 32, 8, 128, config_dir=tmp_path, device_info=H200)
+    assert "source: table" in own and "(1.25x)" in own
     miss = tsdecode.explain(40, 3000, 32, 8, 64, config_dir=tmp_path, device_info=H200)
     assert "no entry for this class" in miss and "source: heuristic" in miss
     assert "no table searched" in tsdecode.explain(1, 10, 8, 8, 128, device="cpu")

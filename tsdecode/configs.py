@@ -365,12 +365,23 @@ def select_config(
         return SelectedConfig(fitted, "explicit", adjustments=changes)
     from . import tables  # local import: tables imports this module
 
-    hit = tables.lookup(shape, device)
+    return config_from_table_hit(shape, tables.lookup(shape, device), device_num_sms(device))
+
+
+def config_from_table_hit(shape: ProblemShape, hit, num_sms: int) -> SelectedConfig:
+    """The config a plan uses given ``tables.lookup``'s result (a TableHit, or None).
+
+    A hit's splits are scaled to the batch size it was tuned at and to ragged lengths, then
+    fitted; a tuned winner of another bucket is not used (``_is_off_bucket_winner``); no usable
+    hit: the heuristic, scaled to ragged lengths and fitted. ``tables.explain`` shows the same.
+    """
+    from .tables import bucket_of  # local import: tables imports this module
+
     off_bucket_winner: tuple[str, ...] = ()
-    if hit is not None and _is_off_bucket_winner(hit, shape, tables.bucket_of):
+    if hit is not None and _is_off_bucket_winner(hit, shape, bucket_of):
         # A tuned winner beat the heuristic at its own bucket's shape only; H200 held-out shapes
         # in other buckets ran 1.04-1.11x slower than their best with such entries and within
-        # 1.00-1.02x with the heuristic (docs/perf-notes.md), so off its bucket it is not used.
+        # 1.00-1.03x with the heuristic (docs/perf-notes.md), so off its bucket it is not used.
         off_bucket_winner = hit.notes + (
             f"bucket {hit.bucket} holds a tuned winner ({hit.kernel_config}) that beat the "
             f"heuristic at that bucket only; shapes outside it use the heuristic",
@@ -380,14 +391,13 @@ def select_config(
         tuned_batch = (hit.entry.tuned_batch_size if hit.entry and hit.entry.tuned_batch_size
                        else hit.bucket[0])
         config, scaled = scale_splits_to_batch(hit.kernel_config, tuned_batch, shape.batch_size)
-        config, ragged = scale_splits_to_raggedness(config, shape, device_num_sms(device))
+        config, ragged = scale_splits_to_raggedness(config, shape, num_sms)
         fitted, changes = fit_config(config, shape)
         changes = scaled + ragged + changes
         return SelectedConfig(
             fitted, "table", table_path=hit.table_path, bucket=hit.bucket,
             adjustments=hit.notes + changes,
         )
-    num_sms = device_num_sms(device)
     config, ragged = scale_splits_to_raggedness(heuristic_config(shape, num_sms), shape, num_sms)
     fitted, changes = fit_config(config, shape)
     return SelectedConfig(fitted, "heuristic", adjustments=off_bucket_winner + ragged + changes)

@@ -41,7 +41,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .configs import (
-    KernelConfig, ProblemShape, device_num_sms, fit_config, heuristic_config, next_power_of_2,
+    KernelConfig, ProblemShape, config_from_table_hit, device_num_sms, next_power_of_2,
 )
 
 try:  # POSIX; without it merges are not serialised between processes (atomic replace still holds)
@@ -1089,8 +1089,9 @@ def explain(
 ) -> str:
     """Which table file, bucket and config a plan of this shape gets, and why (a report string).
 
-    Follows exactly the selection ``plan`` makes without an explicit config: ``lookup`` (tables
-    searched, in order, and why each was passed over), then ``fit_config`` or the heuristic.
+    Follows exactly the selection ``plan`` makes without an explicit config and with equal (or
+    bound) lengths: ``lookup`` (tables searched, in order, and why each was passed over), then
+    ``configs.config_from_table_hit`` (split scaling, off-bucket winners, ``fit_config``).
     ``seq_len_q`` is the fixed SQ, or the packed capacity (max_seq_len_q) when ``packed``.
     """
     from . import validation as V
@@ -1125,8 +1126,8 @@ def explain(
         "search:",
         *trace,
     ]
-    if hit is not None:
-        config, changes = fit_config(hit.kernel_config, shape)
+    selected = config_from_table_hit(shape, hit, device_num_sms(device))
+    if selected.source == "table":
         e = hit.entry
         lines.append(f"source: table {hit.table_path} bucket {hit.bucket}")
         if e is not None:
@@ -1136,13 +1137,12 @@ def explain(
                 f"default {e.default_config} {e.default_time_us:.2f} us, "
                 f"{e.default_bandwidth_gbs:.0f} GB/s ({e.speedup:.2f}x)"
             )
-        notes = hit.notes
+    elif hit is not None:
+        lines.append(f"source: heuristic (the table entry of bucket {hit.bucket} is not used here)")
     else:
-        config, notes, changes = heuristic_config(shape, device_num_sms(device)), (), ()
         lines.append("source: heuristic (no table entry found)")
-    lines.append(f"config: {config}")
-    lines.extend(f"note: {n}" for n in notes)
-    lines.extend(f"adjusted: {c}" for c in changes)
+    lines.append(f"config: {selected.kernel_config}")
+    lines.extend(f"note: {n}" for n in selected.adjustments)
     return "\n".join(lines)
 
 
