@@ -6,7 +6,9 @@ prints registers, shared memory, the instruction count per opcode and the memory
 instructions with their widths. ``--source`` compiles another copy of decode.py; ``--compare``
 diffs TTIR, TTGIR and SASS of two copies (e.g. to show a constexpr-gated change leaves every
 other variant's machine code alone). Codegen differs between triton versions: this counts what
-the installed triton emits (triton 3.9 on the CPU machine, 3.6 on the lent H200).
+the installed triton emits (triton 3.9 on the CPU machine, 3.6 on the lent H200). To count what
+the H200's triton emits without the device: ``pip download triton==3.6.0 --no-deps``, ``pip
+install --no-deps --target /tmp/t36 <the wheel>``, then run this with ``PYTHONPATH=/tmp/t36``.
 
 Usage: python scripts/sass_count.py [--kv-dtype fp8e4nv] [--block-n 64] [--warps 2] [--stages 2]
        [--source path/to/decode.py] [--compare other/decode.py]
@@ -59,7 +61,9 @@ def compile_split(module, kv: str, block_n: int, warps: int, stages: int, splits
     constexprs = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, SEQ_LEN_Q=1, PACKED=False,
                       CAUSAL=False, WINDOW=False, NUM_M_BLOCKS=1, BLOCK_M=16, BLOCK_N=block_n,
                       DIRECT_OUT=splits == 1, USE_DOT=True, DOT_FP32=False, COMPUTE_DTYPE=compute,
-                      NUM_STAGES=stages, USE_PDL=True)
+                      NUM_STAGES=stages, USE_PDL=True,
+                      # a constexpr of branch exp/fp8-v-convert-first's decode.py (--source it)
+                      **({"CONVERT_V_FIRST": kv == "fp8e4nv"} if "CONVERT_V_FIRST" in fn.arg_names else {}))
     signature, values = {}, {}
     for name in fn.arg_names:
         if name in constexprs:

@@ -70,6 +70,25 @@ def test_full_matrix(case):
     run_and_check(case)
 
 
+FP8_TILE_FAMILIES = [  # (block_n, num_warps, num_stages): the tuned fp8 and lean families and big tiles
+    (16, 1, 3), (32, 1, 1), (32, 2, 2), (64, 2, 2), (64, 4, 2), (128, 4, 2), (128, 8, 3),
+]
+
+
+@pytest.mark.parametrize("block_n,warps,stages", FP8_TILE_FAMILIES)
+@pytest.mark.parametrize("hq,hkv,p", [(32, 8, 16), (32, 32, 16), (64, 8, 1)])
+def test_fp8_cache_tile_families(block_n, warps, stages, hq, hkv, p):
+    """8-bit caches in every tile family the tuner picks for them (1-warp lean tiles included,
+    which the sampled matrix above never draws), G = 1/4/8, pages smaller than and equal to the
+    tile, ragged lengths across page and tile boundaries, one and several splits."""
+    for splits in (1, 5):
+        case = Case(lens=(1, block_n - 1, 3 * block_n + 7, 1000), num_qo_heads=hq, num_kv_heads=hkv,
+                    head_dim=128, page_size=p, kv_dtype=FP8, seed=block_n + splits,
+                    config=KernelConfig(block_n=block_n, block_m=16, num_kv_splits=splits,
+                                        num_warps=warps, num_stages=stages))
+        run_and_check(case)
+
+
 def test_million_token_request():
     """K/V length 2**20 (1,048,576 tokens) in one request, split across many programs."""
     case = Case(lens=(1 << 20, 3), num_qo_heads=8, num_kv_heads=1, head_dim=64, page_size=256, extra_cols=0)

@@ -35,7 +35,7 @@ MAX_RAGGED_SPLIT_FACTOR = 4.0
 RAGGED_MIN_TILES_PER_SPLIT = 8
 # heuristic_config's multi-wave rule (16-bit caches, K/V shorter than 8k, at least 4 B*Hkv programs
 # per SM): programs of 64-token tiles at 4 warps and 2 stages resident per H200 SM (96 registers,
-# 38.9 KB shared: reports/NVIDIA_H200/2026-11-29/occupancy.txt); splits are added until the last
+# 38.9 KB shared: reports/nvidia-h200/2026-11-29/occupancy.txt); splits are added until the last
 # wave is at least MIN_LAST_WAVE_FILL full or there are FULL_WAVES waves, keeping at least
 # MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request per split.
 RESIDENT_PROGRAMS_PER_SM = 5
@@ -208,7 +208,8 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     SM when B*Hkv programs cannot, down to one 64-token tile per split; at large batch with long
     K/V, a few splits of narrower tiles (block_n=32) still help (shorter dependent chains, better
     tail balance); at large batch with shorter K/V, splits only where they fill a mostly empty
-    last wave (``splits_for_full_waves``).
+    last wave (``splits_for_full_waves``). fp8 caches with >= 4 B*Hkv programs per SM: lean
+    programs again, about 46 per SM.
     """
     rows = shape.rows_per_kv_head
     block_m = min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
@@ -223,7 +224,7 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
             and shape.head_dim <= 128 and shape.kv_dtype != torch.float8_e4m3fn):
         # Lean programs: the best tile family in 8 of 9 shapes at B*Hkv <= 256 in one H200 sweep
         # (B=1 L=8k 14.3 vs 15.9 us for 64-token tiles at 4 warps, B=8 L=8k 71.6 vs 72.2 us,
-        # B=32 L=1k 39.2 vs 41.0 us; reports/NVIDIA_H200/2026-11-29/merge_fused_ab.txt, separate
+        # B=32 L=1k 39.2 vs 41.0 us; reports/nvidia-h200/2026-11-29/merge_fused_ab.txt, separate
         # merge column).
         # 16 tokens at D = 128: 4 KiB K/V tiles; smaller head dims keep that tile size.
         block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 3
@@ -232,12 +233,14 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
         num_kv_splits = max(1, target_programs // base_programs)
         num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 64))
     elif shape.kv_dtype == torch.float8_e4m3fn:
-        # fp8 caches: converting K/V costs more per byte than the bf16 path's loads, and many
-        # lean programs (2 warps, ~46 per SM, splits of >= 1k tokens) hide it best: every tuned
-        # H200 fp8 bucket at B*Hkv >= 1024 won with 2-6 splits and 1-2 warps, 1.35-1.65x over
-        # the bf16 rule (docs/perf-notes.md, "Tuning the fp8 class").
+        # fp8 caches: converting K/V costs more instructions per byte than the bf16 path, and
+        # many lean programs hide it best: 16-token tiles at D = 128, 1 warp, 3 stages, splits
+        # for ~46 programs per SM of >= 1k tokens. H200, same run: B=128 L=8k G=4 586 us vs 651
+        # for 64-token tiles at 2 warps (the previous rule), MHA B=32 L=8k 611 vs 639; in the
+        # fp8 tuning trials this family was fastest at ~46 programs per SM at B*Hkv = 1024 and
+        # 2048 (docs/perf-notes.md, "Fifth lease").
+        block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 3
         num_kv_splits = max(1, min(round(46 * num_sms / base_programs), shape.max_kv_len // 1024))
-        num_warps = 2
     elif shape.max_kv_len >= 8192:
         block_n = 32
         num_kv_splits = min(8, shape.max_kv_len // 4096)
