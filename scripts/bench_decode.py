@@ -111,7 +111,7 @@ def own_best_search(spec: ShapeSpec, sets, start: KernelConfig, num_sms: int, re
     run([start, h])
     run([dataclasses.replace(start, num_kv_splits=n) for n in split_set])
     best = min(timed, key=timed.get)
-    tiles = [(bn, w, st) for bn in (16, 32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]
+    tiles = [(bn, w, st) for bn in (16, 32, 64, 128) for w in (1, 2, 4) for st in (2, 3, 5)]
     around = {best.num_kv_splits, best.num_kv_splits * 2}
     run([dataclasses.replace(best, block_n=bn, num_warps=w, num_stages=st, num_kv_splits=n)
          for bn, w, st in tiles for n in sorted(around)])

@@ -82,6 +82,7 @@ def test_every_config_same_answer():
         KC(block_n=32, block_m=32, num_kv_splits=4, num_warps=2, num_stages=3),
         KC(block_n=64, block_m=4, num_kv_splits=5, num_warps=8, num_stages=4),
         KC(block_n=16, block_m=1, num_kv_splits=9, num_warps=4, num_stages=2),
+        KC(block_n=16, block_m=16, num_kv_splits=3, num_warps=1, num_stages=5),
     ):
         run_and_check(dataclasses.replace(base, config=cfg))
 

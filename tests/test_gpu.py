@@ -71,7 +71,7 @@ def test_full_matrix(case):
 
 
 FP8_TILE_FAMILIES = [  # (block_n, num_warps, num_stages): the tuned fp8 and lean families and big tiles
-    (16, 1, 3), (32, 1, 1), (32, 2, 2), (64, 2, 2), (64, 4, 2), (128, 4, 2), (128, 8, 3),
+    (16, 1, 3), (16, 1, 5), (32, 1, 1), (32, 2, 2), (64, 2, 2), (64, 4, 2), (64, 4, 5), (128, 4, 2), (128, 8, 3),
 ]
 
 
@@ -87,6 +87,22 @@ def test_fp8_cache_tile_families(block_n, warps, stages, hq, hkv, p):
                     config=KernelConfig(block_n=block_n, block_m=16, num_kv_splits=splits,
                                         num_warps=warps, num_stages=stages))
         run_and_check(case)
+
+
+@pytest.mark.parametrize("block_n,warps", [(16, 1), (32, 2), (64, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_deep_pipeline_16bit_caches(block_n, warps, dtype):
+    """5 stages (two K/V tiles in flight through the page table; the sampled matrix draws 1-3):
+    16-bit caches, pages smaller than, equal to and larger than the tile, ragged lengths across
+    page and tile boundaries (shorter than the pipeline's prologue too), one and several splits."""
+    for p in (1, 16, 64):
+        for splits in (1, 5):
+            case = Case(lens=(1, block_n - 1, 2 * block_n + 3, 3 * block_n + 7, 1000), num_qo_heads=32,
+                        num_kv_heads=8, head_dim=128, page_size=p, dtype=dtype, kv_dtype=dtype,
+                        out_dtype=dtype, seed=block_n + splits + p,
+                        config=KernelConfig(block_n=block_n, block_m=16, num_kv_splits=splits,
+                                            num_warps=warps, num_stages=5))
+            run_and_check(case)
 
 
 def test_million_token_request():

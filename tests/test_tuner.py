@@ -464,12 +464,15 @@ def test_seed_configs_cover_splits_and_the_lean_family():
 
     default = KernelConfig(block_n=64, block_m=16, num_kv_splits=4, num_warps=4, num_stages=2)
     space = {"block_n": [16, 32, 64], "block_m": [16], "num_kv_splits": [1, 2, 3, 4, 6, 8, 12, 16],
-             "num_warps": [1, 2, 4], "num_stages": [1, 2, 3]}
+             "num_warps": [1, 2, 4], "num_stages": [1, 2, 3, 5]}
     seeds = seed_configs(default, space)
     assert seeds[0] == default and len(set(seeds)) == len(seeds)
     assert {c.num_kv_splits for c in seeds if c.block_n == 64} == {2, 4, 8, 16}
-    lean = [c for c in seeds if c.block_n == 16]
-    assert {(c.num_warps, c.num_stages) for c in lean} == {(1, 3)}
+    lean = [c for c in seeds if c.block_n == 16 and c.num_stages == 3]
+    assert {c.num_warps for c in lean} == {1}
     assert sorted(c.num_kv_splits for c in lean) == [4, 8, 16]
+    deep = [c for c in seeds if c.block_n == 16 and c.num_stages != 3]
+    assert {(c.num_warps, c.num_stages) for c in deep} == {(1, 5)}  # the space's deepest pipeline
+    assert sorted(c.num_kv_splits for c in deep) == [2, 4]
     for c in seeds:  # every seed lies in the space
         assert all(getattr(c, k) in v for k, v in space.items())

@@ -20,7 +20,10 @@ import torch
 BLOCK_N_CHOICES = (16, 32, 64, 128, 256)  # K/V tokens per tile
 BLOCK_M_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)  # packed query rows (G heads x SQ tokens) per program
 NUM_WARPS_CHOICES = (1, 2, 4, 8)
-NUM_STAGES_CHOICES = (1, 2, 3, 4)
+# Through the page table, triton (3.6, sm90) gives the K/V tiles one shared-memory buffer at 2-4
+# stages (one tile per program in flight) and two at 5 (scripts/sass_count.py; docs/perf-notes.md,
+# "Sixth lease").
+NUM_STAGES_CHOICES = (1, 2, 3, 4, 5)
 MAX_NUM_KV_SPLITS = 1024
 # block_m below this uses FMA reductions instead of tl.dot (tl.dot needs M >= 16).
 DOT_MIN_BLOCK_M = 16
@@ -58,7 +61,8 @@ class KernelConfig:
     num_kv_splits: programs that share one request's K/V sequence (split-KV / flash-decoding);
                    > 1 adds a merge kernel and fp32 scratch of num_kv_splits partial outputs.
     num_warps:     warps per program.
-    num_stages:    software-pipelining depth of the K/V loop.
+    num_stages:    software-pipelining depth of the K/V loop (through the page table, triton
+                   3.6 keeps one K/V tile per program in flight at 2-4 stages, two at 5).
     """
 
     block_n: int = 64
@@ -209,7 +213,7 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     K/V, a few splits of narrower tiles (block_n=32) still help (shorter dependent chains, better
     tail balance); at large batch with shorter K/V, splits only where they fill a mostly empty
     last wave (``splits_for_full_waves``). fp8 caches with >= 4 B*Hkv programs per SM: lean
-    programs again, about 46 per SM.
+    programs again, about 46 per SM, with 5 stages (two K/V tiles in flight per program).
     """
     rows = shape.rows_per_kv_head
     block_m = min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
@@ -234,12 +238,13 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
         num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 64))
     elif shape.kv_dtype == torch.float8_e4m3fn:
         # fp8 caches: converting K/V costs more instructions per byte than the bf16 path, and
-        # many lean programs hide it best: 16-token tiles at D = 128, 1 warp, 3 stages, splits
-        # for ~46 programs per SM of >= 1k tokens. H200, same run: B=128 L=8k G=4 586 us vs 651
-        # for 64-token tiles at 2 warps (the previous rule), MHA B=32 L=8k 611 vs 639; in the
-        # fp8 tuning trials this family was fastest at ~46 programs per SM at B*Hkv = 1024 and
-        # 2048 (docs/perf-notes.md, "Fifth lease").
-        block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 3
+        # many lean programs hide it best: 16-token tiles at D = 128, 1 warp, splits for ~46
+        # programs per SM of >= 1k tokens. H200, same run: B=128 L=8k G=4 586 us vs 651 for
+        # 64-token tiles at 2 warps (the previous rule), MHA B=32 L=8k 611 vs 639; in the fp8
+        # tuning trials this family was fastest at ~46 programs per SM at B*Hkv = 1024 and 2048
+        # (docs/perf-notes.md, "Fifth lease"). 5 stages (two K/V tiles in flight instead of
+        # one): 1.05-1.17x faster than 3 on all six fp8 target shapes ("Sixth lease").
+        block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 5
         num_kv_splits = max(1, min(round(46 * num_sms / base_programs), shape.max_kv_len // 1024))
     elif shape.max_kv_len >= 8192:
         block_n = 32

@@ -150,7 +150,9 @@ def seed_configs(default: KernelConfig, space: dict[str, Sequence[int]]) -> list
     family at 1x, 2x and 4x the default's splits: the smallest block_n, 1 warp, 3 stages (about
     12 resident programs per H200 SM against 5 for block_n=64 at 4 warps). On the H200 that
     family was the best config of 6 of 10 held-out ragged shapes and of two tuned buckets, and
-    TPE with 40-64 trials rarely reached it on its own (docs/perf-notes.md)."""
+    TPE with 40-64 trials rarely reached it on its own (docs/perf-notes.md). Last, the same
+    family with the deepest pipeline of the space (5 stages: two K/V tiles in flight) at 1x and
+    1/2x the default's splits (the best at fp8 caches and at B=1 with long K/V on the H200)."""
     out = [default]
     splits = space["num_kv_splits"]
     s = default.num_kv_splits
@@ -162,6 +164,8 @@ def seed_configs(default: KernelConfig, space: dict[str, Sequence[int]]) -> list
     lean = {"block_n": min(space["block_n"]), "num_warps": near(space["num_warps"], 1),
             "num_stages": near(space["num_stages"], 3)}
     candidates += [{**lean, "num_kv_splits": near(splits, c)} for c in (s, 2 * s, 4 * s)]
+    deep = {**lean, "num_stages": max(space["num_stages"])}
+    candidates += [{**deep, "num_kv_splits": near(splits, c)} for c in (s, max(1, s // 2))]
     for change in candidates:
         config = KernelConfig(**{**default.to_dict(), **change})
         if config not in out:
