@@ -1,7 +1,9 @@
 """Same-run timing of explicit configs on a few shapes (CUDA-graph method, two interleaved rounds).
 
-Shapes: B:L:Hq:Hkv[:r] (r = ragged lengths in [L/2, L]); configs: block_n/splits/warps/stages,
-or "heur" for what the plan picks today (table or heuristic). Prints us per round, the best, the
+Shapes: B:L:Hq:Hkv[:r][:fp8] (r = ragged lengths in [L/2, L], fp8 = float8_e4m3fn K/V cache);
+configs: block_n/splits/warps/stages, or "heur" for what the plan picks today (table or
+heuristic), either with an optional "/R" that launches the split kernel with triton's maxnreg=R
+register cap (an experiment: not part of the config space). Prints us per round, the best, the
 ratio to the first config and % of the copy bandwidth measured in the same run.
 Example: python scripts/ab_configs.py --shapes 64:16384:32:8:r --configs heur,32/16/4/2,16/2/1/3
 """
@@ -14,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 from tsdecode import KernelConfig  # noqa: E402
+from tsdecode.kernels import decode  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
 from tuner.measure import bytes_moved, copy_bandwidth_gbs, make_inputs, num_copies  # noqa: E402
 from bench_decode import check_correct, time_config  # noqa: E402
@@ -23,25 +26,42 @@ ap.add_argument("--shapes", required=True)
 ap.add_argument("--configs", required=True)
 ap.add_argument("--replay-ms", type=float, default=40.0)
 args = ap.parse_args()
+
+_split_kernel = decode._split_kv_kernel
+MAXNREG = [None]
+
+
+class _CappedLaunch:
+    """Launches the split kernel with maxnreg=MAXNREG[0] when set."""
+
+    def __getitem__(self, grid):
+        launch = _split_kernel[grid]
+        return lambda *a, **kw: launch(*a, **kw, **({"maxnreg": MAXNREG[0]} if MAXNREG[0] else {}))
+
+
+decode._split_kv_kernel = _CappedLaunch()
 dev = torch.device("cuda")
 copy = copy_bandwidth_gbs(dev)
 print(f"# copy {copy:.0f} GB/s; torch {torch.__version__}; {torch.cuda.get_device_name(dev)}", flush=True)
 for text in args.shapes.split(","):
     f = text.split(":")
     spec = ShapeSpec(batch_size=int(f[0]), kv_len=int(f[1]), num_qo_heads=int(f[2]), num_kv_heads=int(f[3]),
-                     ragged=len(f) > 4 and f[4] == "r")
+                     ragged="r" in f[4:], kv_dtype="float8_e4m3fn" if "fp8" in f[4:] else "bfloat16")
     sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
     nbytes = bytes_moved(spec, [int(n) for n in sets[0].seq_lens.tolist()])
-    configs = {}
+    configs, caps = {}, {}
     for c in args.configs.split(","):
-        if c == "heur":
-            configs[c] = None
+        fields = c.split("/")
+        if fields[0] == "heur":
+            configs[c], caps[c] = None, int(fields[1]) if len(fields) > 1 else None
         else:
-            n, s, w, st = (int(x) for x in c.split("/"))
+            n, s, w, st = (int(x) for x in fields[:4])
             configs[c] = KernelConfig(block_n=n, block_m=16, num_kv_splits=s, num_warps=w, num_stages=st)
+            caps[c] = int(fields[4]) if len(fields) > 4 else None
     res = {k: [] for k in configs}
     chosen = {}
     for name in list(configs) * 2:
+        MAXNREG[0] = caps[name]
         us, sel = time_config(spec, sets, configs[name], args.replay_ms)
         res[name].append(us)
         chosen[name] = sel.kernel_config
@@ -49,6 +69,7 @@ for text in args.shapes.split(","):
     print(spec.name, flush=True)
     for name, times in res.items():
         c = chosen[name]
+        MAXNREG[0] = caps[name]
         err = check_correct(spec, sets[0], c)
         print(f"  {name:10s} n{c.block_n} s{c.num_kv_splits} w{c.num_warps} st{c.num_stages}: {min(times):8.1f} us "
               f"({', '.join(f'{t:.1f}' for t in times)}) {min(times) / first:6.3f}x "

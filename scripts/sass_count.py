@@ -11,6 +11,7 @@ the H200's triton emits without the device: ``pip download triton==3.6.0 --no-de
 install --no-deps --target /tmp/t36 <the wheel>``, then run this with ``PYTHONPATH=/tmp/t36``.
 
 Usage: python scripts/sass_count.py [--kv-dtype fp8e4nv] [--block-n 64] [--warps 2] [--stages 2]
+       [--maxnreg 128]
        [--source path/to/decode.py] [--compare other/decode.py]
 """
 
@@ -50,7 +51,8 @@ def load_module(path: str, name: str):
     return module
 
 
-def compile_split(module, kv: str, block_n: int, warps: int, stages: int, splits: int):
+def compile_split(module, kv: str, block_n: int, warps: int, stages: int, splits: int,
+                  maxnreg: int | None = None):
     """triton.compile of the split kernel for sm90; kv: 'bf16', 'fp16' or 'fp8e4nv'."""
     fn = module._split_kv_kernel
     q = "bf16" if kv in ("bf16", "fp8e4nv") else kv
@@ -77,7 +79,8 @@ def compile_split(module, kv: str, block_n: int, warps: int, stages: int, splits
              if name in POINTERS or name in DIVISIBLE_INTS}
     source = ASTSource(fn=fn, signature=signature, constexprs=values, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+                          options=dict(num_warps=warps, num_stages=stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def disassemble(kernel) -> tuple[str, str]:
@@ -108,17 +111,20 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", type=int, default=2)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--splits", type=int, default=6, help="1 compiles the direct-output variant")
+    ap.add_argument("--maxnreg", type=int, default=None, help="triton's register cap (compile option)")
     ap.add_argument("--source", default=DEFAULT_SOURCE)
     ap.add_argument("--compare", default=None, help="another decode.py: diff TTIR, TTGIR, SASS")
     args = ap.parse_args(argv)
     opts = (args.kv_dtype, args.block_n, args.warps, args.stages, args.splits)
-    kernel = compile_split(load_module(args.source, "counted"), *opts)
+    kernel = compile_split(load_module(args.source, "counted"), *opts, maxnreg=args.maxnreg)
     sass, usage = disassemble(kernel)
     ops = opcodes(sass)
     regs = re.search(r"REG:(\d+)", usage)
     print(f"triton {triton.__version__}, sm90, kv {args.kv_dtype}, block_n {args.block_n}, "
           f"{args.warps} warps, {args.stages} stages, {args.splits} splits")
-    print(f"registers {regs.group(1) if regs else '?'}, shared {kernel.metadata.shared} B, "
+    spill = re.search(r"LOCAL:(\d+)", usage)
+    print(f"registers {regs.group(1) if regs else '?'}, local (spill) {spill.group(1) if spill else '?'} B, "
+          f"shared {kernel.metadata.shared} B, "
           f"{len(ops)} SASS instructions")
     print("by opcode:", ", ".join(f"{k} {v}" for k, v in
                                   collections.Counter(o.split(".")[0] for o in ops).most_common(20)))

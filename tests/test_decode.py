@@ -87,6 +87,30 @@ def test_every_config_same_answer():
         run_and_check(dataclasses.replace(base, config=cfg))
 
 
+@pytest.mark.parametrize("kv_dtype", [FP8, BF16])
+@pytest.mark.parametrize("config", [KC(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=5),
+                                    KC(block_n=32, block_m=16, num_kv_splits=3, num_warps=2, num_stages=3)])
+def test_scores_rising_along_the_sequence(kv_dtype, config):
+    """Scores that rise by ~1.2 (log2 units) a token, ~350 over a request: the online softmax's
+    running max grows on every tile, and a rescale skipped or applied with a stale max overflows
+    (fp32 past 2**128, fp16 probabilities past 2**16). K[j] = c_j * u, q = u, c_j in [0, 30]."""
+    case = Case(kv_dtype=kv_dtype, lens=(300, 37), config=config)
+    inp = build(case)
+    gen = torch.Generator().manual_seed(3)
+    u = torch.randint(0, 2, (case.head_dim,), generator=gen).float() * 2 - 1
+    k = inp.cache[:, 0]  # [pages, Hkv, P, D] view of the combined cache
+    for b, n in enumerate(case.lens):
+        for j in range(n):
+            page = int(inp.block_tables[b, j // case.page_size])
+            k[page, :, j % case.page_size] = (30.0 * j / (n - 1) * u).to(kv_dtype).to(k.device)
+    inp.q.copy_(u.expand_as(inp.q).to(inp.q.dtype))
+    ref = reference(case, inp)
+    w = plan_wrapper(case, inp)
+    out = poisoned_out(case, inp)
+    w.run(inp.q, inp.cache, out=out)
+    check(case, out, ref)
+
+
 def test_bound_seq_lens_read_live_and_pages_remapped():
     """bind_seq_lens=True: runs read the caller's live lengths; remapped page IDs are read live."""
     case = Case(lens=(20, 64, 33), config=KC(block_n=16, block_m=16, num_kv_splits=3))

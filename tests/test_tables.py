@@ -671,6 +671,41 @@ def test_ragged_one_wave_batches_get_more_splits():
     assert scale_splits_to_raggedness(wide, tiny, 132) == (wide, ())
 
 
+def test_ragged_batches_short_of_full_waves_step_to_full_waves():
+    """Past one wave of the config's own residency but short of FULL_WAVES waves, a ragged batch
+    steps to FULL_WAVES waves if each split keeps 12 tiles of the mean request."""
+    from tsdecode.configs import FULL_WAVES, resident_programs_per_sm, scale_splits_to_raggedness
+
+    wide = KernelConfig(block_n=64, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
+    ragged = make_shape(batch_size=64, kv_len=16384, kv_len_spread=1.32)  # 512 programs
+    assert resident_programs_per_sm(wide, ragged) == 5  # 660 a wave: 512 * 1.32 does not fit
+    scaled, notes = scale_splits_to_raggedness(wide, ragged, 132)
+    assert scaled.num_kv_splits == 6 and "waves" in notes[0]  # ceil(4 * 660 / 512)
+    assert 512 * scaled.num_kv_splits >= FULL_WAVES * 660 > 512 * (scaled.num_kv_splits - 1)
+    # Equal lengths, or too few tiles of the mean request per split (B=200 L=1.5k: ~18), or
+    # already FULL_WAVES waves: unchanged.
+    assert scale_splits_to_raggedness(wide, make_shape(batch_size=64, kv_len=16384), 132) == (wide, ())
+    short = make_shape(batch_size=200, kv_len=1500, kv_len_spread=1.33)
+    assert scale_splits_to_raggedness(wide, short, 132) == (wide, ())
+    many = make_shape(batch_size=400, kv_len=16384, kv_len_spread=1.32)  # 3200 programs, 4.8 waves
+    assert scale_splits_to_raggedness(wide, many, 132) == (wide, ())
+
+
+def test_resident_programs_per_sm_counts_registers_and_shared_memory():
+    """Lean 1-warp 16-token programs: 12 a SM by registers; at 5 stages (two K/V buffers) a
+    16-bit cache is limited by shared memory (10), an fp8 cache still by registers."""
+    from tsdecode.configs import resident_programs_per_sm
+
+    lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=3)
+    bf16 = make_shape(batch_size=1, kv_len=1024)
+    fp8 = make_shape(batch_size=1, kv_len=1024, kv_dtype=torch.float8_e4m3fn)
+    deep = dataclasses.replace(lean, num_stages=5)
+    assert resident_programs_per_sm(lean, bf16) == 12 == resident_programs_per_sm(lean, fp8)
+    assert resident_programs_per_sm(deep, bf16) == 10 and resident_programs_per_sm(deep, fp8) == 12
+    big = KernelConfig(block_n=256, block_m=16, num_kv_splits=1, num_warps=8, num_stages=5)
+    assert resident_programs_per_sm(big, bf16) == 1  # never 0
+
+
 def test_plan_passes_the_length_spread_of_fixed_lengths_only(monkeypatch):
     from tsdecode import BatchDecodePagedTSWrapper, api
 

@@ -31,17 +31,31 @@ DOT_MIN_BLOCK_M = 16
 # with splits for about LEAN_PROGRAMS_PER_SM programs per SM (H200 sweeps, docs/perf-notes.md).
 LEAN_MAX_PROGRAMS_PER_SM = 3
 LEAN_PROGRAMS_PER_SM = 8
-# Programs per SM that still run as one wave (1 warp, 16-token tiles: ~12 resident on an H200 SM);
-# below it, ragged batches get more splits (``scale_splits_to_raggedness``).
-ONE_WAVE_PROGRAMS_PER_SM = 12
+# Ragged fixed lengths (``scale_splits_to_raggedness``): splits grow by longest / mean, at most
+# MAX_RAGGED_SPLIT_FACTOR x and to no fewer than RAGGED_MIN_TILES_PER_SPLIT tiles a split, while the
+# programs fit one wave; programs past one wave but short of FULL_WAVES waves step to FULL_WAVES.
 MAX_RAGGED_SPLIT_FACTOR = 4.0
 RAGGED_MIN_TILES_PER_SPLIT = 8
+# Programs of the split kernel resident per SM, by (block_n, num_warps): register-limited at
+# D = 128, 16-bit cache, 2 stages (H200, triton 3.6: reports/nvidia-h200/2026-11-29/occupancy.txt;
+# 64K registers a SM, as on every GPU since sm_70). ``resident_programs_per_sm`` adds the
+# shared-memory limit of deeper pipelines.
+RESIDENT_PROGRAMS_BY_TILE = {
+    (16, 1): 12, (16, 2): 10, (16, 4): 6, (16, 8): 4,
+    (32, 1): 9, (32, 2): 6, (32, 4): 5, (32, 8): 4,
+    (64, 1): 6, (64, 2): 4, (64, 4): 5, (64, 8): 3,
+    (128, 1): 3, (128, 2): 3, (128, 4): 2, (128, 8): 2,
+    (256, 1): 1, (256, 2): 1, (256, 4): 1, (256, 8): 1,
+}
+# Shared memory a program may use per SM (H100/H200: 227 KiB + 1 KiB reserved per program), and
+# what a program holds besides its K/V buffers (Q, page IDs: occupancy.txt's 2-stage rows).
+SHARED_MEMORY_PER_SM = 233472
+SHARED_MEMORY_RESERVED_PER_PROGRAM = 1024
+SHARED_MEMORY_FIXED_PER_PROGRAM = 4096
 # heuristic_config's multi-wave rule (16-bit caches, K/V shorter than 8k, at least 4 B*Hkv programs
-# per SM): programs of 64-token tiles at 4 warps and 2 stages resident per H200 SM (96 registers,
-# 38.9 KB shared: reports/nvidia-h200/2026-11-29/occupancy.txt); splits are added until the last
-# wave is at least MIN_LAST_WAVE_FILL full or there are FULL_WAVES waves, keeping at least
-# MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request per split.
-RESIDENT_PROGRAMS_PER_SM = 5
+# per SM): splits are added until the last wave is at least MIN_LAST_WAVE_FILL full or there are
+# FULL_WAVES waves, keeping at least MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request per
+# split.
 FULL_WAVES = 4
 MIN_LAST_WAVE_FILL = 2 / 3
 MULTIWAVE_MIN_TILES_PER_SPLIT = 12
@@ -250,7 +264,9 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
         block_n = 32
         num_kv_splits = min(8, shape.max_kv_len // 4096)
     else:
-        num_kv_splits = splits_for_full_waves(shape, base_programs, block_n, num_sms)
+        num_kv_splits = splits_for_full_waves(
+            shape, KernelConfig(block_n=block_n, block_m=block_m, num_warps=num_warps,
+                                num_stages=num_stages), base_programs, num_sms)
     config = KernelConfig(
         block_n=block_n, block_m=block_m, num_kv_splits=num_kv_splits, num_warps=num_warps,
         num_stages=num_stages,
@@ -258,19 +274,34 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     return fit_config(config, shape)[0]
 
 
-def splits_for_full_waves(shape: ProblemShape, base_programs: int, block_n: int, num_sms: int) -> int:
+def resident_programs_per_sm(config: KernelConfig, shape: ProblemShape) -> int:
+    """Split-kernel programs of ``config`` that fit one SM at once (a model, not a query).
+
+    Registers: RESIDENT_PROGRAMS_BY_TILE (measured at D = 128, 2 stages). Shared memory: the fixed
+    part plus the K/V buffers, one K and one V tile each, one buffer below 5 stages and two from 5
+    (triton 3.6 through the page table: docs/perf-notes.md, "Sixth lease").
+    """
+    by_registers = RESIDENT_PROGRAMS_BY_TILE.get((config.block_n, config.num_warps), 1)
+    kv_bytes = shape.kv_dtype.itemsize
+    buffers = 2 if config.num_stages >= 5 else 1
+    shared = (SHARED_MEMORY_FIXED_PER_PROGRAM + SHARED_MEMORY_RESERVED_PER_PROGRAM
+              + buffers * 2 * config.block_n * shape.block_d * kv_bytes)
+    return max(1, min(by_registers, SHARED_MEMORY_PER_SM // shared))
+
+
+def splits_for_full_waves(shape: ProblemShape, config: KernelConfig, base_programs: int, num_sms: int) -> int:
     """Splits that avoid a mostly empty last wave when B*Hkv programs already fill the GPU.
 
-    Waves = base_programs * S / (RESIDENT_PROGRAMS_PER_SM * SMs). S grows from 1 until the last
+    Waves = base_programs * S / (resident programs per SM * SMs). S grows from 1 until the last
     wave is at least MIN_LAST_WAVE_FILL full or there are FULL_WAVES waves, but each split keeps
     at least MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request (mean = max_kv_len /
-    kv_len_spread). H200, 64-token tiles at 4 warps: B=96 ragged L <= 3000 (768 programs, 1.16
-    waves) 236 us at S=1, 219 at S=2, 214 at S=4; B=256 L=4k 1009 us at S=1, 987 at S=2; at
-    L=1k (16 tiles) S=2 was slower than S=1 (B=128: 149 vs 138 us), hence the tile floor
-    (docs/perf-notes.md).
+    kv_len_spread). H200, 64-token tiles at 4 warps (5 a SM): B=96 ragged L <= 3000 (768
+    programs, 1.16 waves) 236 us at S=1, 219 at S=2, 214 at S=4; B=256 L=4k 1009 us at S=1, 987
+    at S=2; at L=1k (16 tiles) S=2 was slower than S=1 (B=128: 149 vs 138 us), hence the tile
+    floor (docs/perf-notes.md).
     """
-    wave = RESIDENT_PROGRAMS_PER_SM * max(1, num_sms)
-    mean_tiles = shape.max_kv_len / max(1.0, shape.kv_len_spread) / block_n
+    wave = resident_programs_per_sm(config, shape) * max(1, num_sms)
+    mean_tiles = shape.max_kv_len / max(1.0, shape.kv_len_spread) / config.block_n
     max_splits = max(1, int(mean_tiles // MULTIWAVE_MIN_TILES_PER_SPLIT))
     splits = 1
     while splits < max_splits:
@@ -303,31 +334,46 @@ def scale_splits_to_batch(
 def scale_splits_to_raggedness(
     config: KernelConfig, shape: ProblemShape, num_sms: int
 ) -> tuple[KernelConfig, tuple[str, ...]]:
-    """More splits for a ragged batch that runs as one wave of programs.
+    """More splits for a ragged batch (fixed lengths, longest / mean = shape.kv_len_spread > 1.1).
 
-    In one wave the kernel lasts as long as the longest request's split (longest / S tokens)
-    while the bytes are those of the mean length, so num_kv_splits grows by
-    shape.kv_len_spread = longest / mean: at most 4x, only while the programs stay within one
-    wave of ONE_WAVE_PROGRAMS_PER_SM per SM, and not below RAGGED_MIN_TILES_PER_SPLIT tiles a
-    split (H200, B=2 L=3k ragged: 11.4 us at 66 splits of ~3 tiles, 12.7 us at 88). Tables are
-    tuned on equal lengths; H200 held-out ragged shapes (lengths uniform in [L/2, L]) ran best
-    with ~1.3x the equal-length split count (docs/perf-notes.md). Several waves balance
-    themselves: no change.
+    One wave (every program resident at once; ``resident_programs_per_sm`` of this config): the
+    kernel lasts as long as the longest request's split (longest / S tokens) while the bytes are
+    those of the mean length, so num_kv_splits grows by the spread, at most 4x, while the programs
+    stay within one wave, and not below RAGGED_MIN_TILES_PER_SPLIT tiles a split (H200, B=2 L=3k
+    ragged: 11.4 us at 66 splits of ~3 tiles, 12.7 us at 88). Tables are tuned on equal lengths;
+    H200 held-out ragged shapes (lengths uniform in [L/2, L]) ran best with ~1.3x the
+    equal-length split count (docs/perf-notes.md). Programs that would pass one wave but make
+    fewer than FULL_WAVES waves step to FULL_WAVES waves, where finishing programs make room for
+    the rest, if each split keeps MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request (H200,
+    B=64 L=16k ragged, 64-token tiles at 4 warps, one run: 792.6 us at 1 split (0.78 waves), 761.4
+    at 4 (3.1), 751.6 at 6 (4.7); 2 splits (1.55 waves) were slower than 1 in another run); else,
+    and from FULL_WAVES waves on, no change.
     """
     factor = min(shape.kv_len_spread, MAX_RAGGED_SPLIT_FACTOR)
-    base = shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // config.block_m)
-    wave = ONE_WAVE_PROGRAMS_PER_SM * max(1, num_sms)
-    if factor < 1.1 or base * config.num_kv_splits * factor > wave:
+    if factor < 1.1:
         return config, ()
-    # Splits of fewer than RAGGED_MIN_TILES_PER_SPLIT tiles are dominated by each program's
-    # fixed cost: never shorten the longest request's splits below that.
-    tiles = num_kv_tiles(shape.max_kv_len, config.block_n)
-    splits = min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * factor),
-                 max(config.num_kv_splits, tiles // RAGGED_MIN_TILES_PER_SPLIT))
+    base = shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // config.block_m)
+    wave = resident_programs_per_sm(config, shape) * max(1, num_sms)
+    programs = base * config.num_kv_splits
+    if programs * factor <= wave:
+        # Splits of fewer than RAGGED_MIN_TILES_PER_SPLIT tiles are dominated by each program's
+        # fixed cost: never shorten the longest request's splits below that.
+        tiles = num_kv_tiles(shape.max_kv_len, config.block_n)
+        splits = min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * factor),
+                     max(config.num_kv_splits, tiles // RAGGED_MIN_TILES_PER_SPLIT))
+        why = "in one wave of programs"
+    elif programs < FULL_WAVES * wave:
+        mean_tiles = shape.max_kv_len / shape.kv_len_spread / config.block_n
+        splits = min(MAX_NUM_KV_SPLITS, -(-FULL_WAVES * wave // base))
+        if mean_tiles / splits < MULTIWAVE_MIN_TILES_PER_SPLIT:
+            return config, ()
+        why = f"in {base * splits / wave:.1f} waves of {wave} programs instead of {programs / wave:.2f}"
+    else:
+        return config, ()
     if splits == config.num_kv_splits:
         return config, ()
     note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: ragged lengths (longest / mean "
-            f"= {shape.kv_len_spread:.2f}) in one wave of programs")
+            f"= {shape.kv_len_spread:.2f}) {why}")
     return dataclasses.replace(config, num_kv_splits=splits), (note,)
 
 
