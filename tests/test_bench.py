@@ -3,12 +3,13 @@
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
 import bench_decode  # noqa: E402
-from tuner.grids import PRESETS  # noqa: E402
+from tuner.grids import PRESETS, ShapeSpec  # noqa: E402
 from tuner.measure import bytes_moved, make_inputs  # noqa: E402
 
 
@@ -60,3 +61,39 @@ def test_sass_count_compiles_for_sm90_without_a_gpu_and_compares_copies():
     assert "SASS instructions" in out.stdout and "HMMA" in out.stdout
     for ir in ("ttir", "ttgir", "sass"):
         assert f"{ir}: identical" in out.stdout
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("block_n,splits,page_size", [(16, 3, 16), (8, 7, 16), (32, 2, 16), (4, 5, 1)])
+def test_method_probe_gather_floor_reads_every_visible_k_and_v_element(block_n, splits, page_size):
+    """The floor kernel behind perf-notes' gather floors must read each visible K and V element
+    once (ragged lengths, tiles within a page and across pages, empty splits): its partial sums
+    equal a float64 sum over the block table."""
+    import method_probe
+
+    spec = ShapeSpec(batch_size=3, kv_len=70, num_qo_heads=4, num_kv_heads=2, page_size=page_size, ragged=True)
+    s = make_inputs(spec, _device(), copies=1, seed=3)[0]
+    calls, sink = method_probe.gather_calls(spec, [s], block_n, splits, 1, 2, _device())
+    sink.fill_(float("nan"))
+    calls[0]()
+    cache = s.cache.double().cpu()
+    want = 0.0
+    for b, n in enumerate(s.seq_lens.tolist()):
+        for t in range(n):
+            page = int(s.block_tables[b, t // page_size])
+            want += float(cache[page, :, :, t % page_size].sum())
+    assert torch.isfinite(sink).all()
+    assert abs(float(sink.double().sum()) - want) < 1e-3 * max(1.0, abs(want)) + 1e-2
+
+
+def test_method_probe_contiguous_read_sums_every_word():
+    import method_probe
+
+    programs, per_program = 3, 4096
+    buf = torch.randint(-5, 7, (programs * per_program,), dtype=torch.int32, device=_device())
+    sink = torch.full((programs,), -1, dtype=torch.int32, device=_device())
+    method_probe._read_sum_kernel[(programs,)](buf, sink, per_program, BLOCK=1024)
+    assert sink.tolist() == [int(c.sum()) for c in buf.view(programs, per_program).cpu()]
