@@ -22,7 +22,9 @@ The contiguous-read column under each method, against the anchors' "contiguous r
 --sweep instead times the gather floor over block_n x warps x stages x split counts (2-16
 programs per SM) and prints the best: what the same loads reach with any grid, no math, no merge.
 
-Usage: python scripts/method_probe.py [--only B8_L8192] [--replay-ms 80] [--sweep]
+--fp8 takes the fp8-cache target rows (float8_e4m3fn K/V, bytes counted as fp8) instead.
+
+Usage: python scripts/method_probe.py [--only B8_L8192] [--replay-ms 80] [--sweep] [--fp8]
 """
 
 from __future__ import annotations
@@ -303,6 +305,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None, help="comma-separated name fragments")
     ap.add_argument("--replay-ms", type=float, default=80.0)
+    ap.add_argument("--fp8", action="store_true", help="the fp8-cache target rows instead")
     ap.add_argument("--sweep", action="store_true",
                     help="instead: the best paged-gather floor over tiles, warps, stages and splits")
     args = ap.parse_args(argv)
@@ -317,6 +320,10 @@ def main(argv=None) -> int:
     shapes = [ShapeSpec(batch_size=b, kv_len=l, num_qo_heads=hq, num_kv_heads=hkv) for b, l, hq, hkv in (
         (1, k, 32, 8), (1, 8 * k, 32, 8), (8, k, 32, 8), (1, 32 * k, 32, 8), (8, 8 * k, 32, 8),
         (8, 8 * k, 64, 8), (32, k, 32, 8), (8, k, 32, 32), (32, 8 * k, 32, 8), (128, 8 * k, 32, 8))]
+    if args.fp8:  # the fp8 target rows ("large" shapes with float8_e4m3fn K/V)
+        shapes = [ShapeSpec(batch_size=b, kv_len=l, num_qo_heads=hq, num_kv_heads=hkv, kv_dtype="float8_e4m3fn")
+                  for b, l, hq, hkv in ((128, 8 * k, 32, 8), (128, 32 * k, 32, 8), (256, 4 * k, 32, 8),
+                                        (32, 8 * k, 32, 32), (32, 32 * k, 32, 32), (128, 8 * k, 32, 32))]
     sweep_header = False
     for spec in shapes:
         if args.only and not any(p and p in spec.name for p in args.only.split(",")):
