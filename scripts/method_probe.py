@@ -95,7 +95,8 @@ def _gather_sum_kernel(cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr,
         if PAGE_SIZE % BLOCK_N == 0:  # one page-ID load per tile, as the op does
             page = tl.load(block_tables_ptr + req * bt_stride + (t * BLOCK_N) // PAGE_SIZE).to(tl.int64)
         else:
-            page = tl.load(block_tables_ptr + req * bt_stride + tok // PAGE_SIZE).to(tl.int64)
+            page = tl.load(block_tables_ptr + req * bt_stride + tok // PAGE_SIZE, mask=tok < seq_len,
+                           other=0).to(tl.int64)
         row = page * stride_page + head * stride_head + (tok % PAGE_SIZE) * stride_tok
         ptrs = cache_ptr + row[:, None] + offs_d[None, :]
         mask = (tok < seq_len)[:, None]
