@@ -52,7 +52,8 @@ def load_module(path: str, name: str):
 
 
 def compile_split(module, kv: str, block_n: int, warps: int, stages: int, splits: int,
-                  maxnreg: int | None = None):
+                  maxnreg: int | None = None, group: int = 4, block_m: int = 16,
+                  transposed: bool = False):
     """triton.compile of the split kernel for sm90; kv: 'bf16', 'fp16' or 'fp8e4nv'."""
     fn = module._split_kv_kernel
     q = "bf16" if kv in ("bf16", "fp8e4nv") else kv
@@ -60,12 +61,13 @@ def compile_split(module, kv: str, block_n: int, warps: int, stages: int, splits
     types = dict(q_ptr=f"*{q}", k_ptr=f"*{kv}", v_ptr=f"*{kv}", block_tables_ptr="*i32",
                  seq_lens_ptr="*i32", qo_indptr_ptr="*i32", out_ptr=f"*{q}", partial_o_ptr="*fp32",
                  partial_lse_ptr="*fp32", qk_scale_log2="fp32", bmm2_scale="fp32")
-    constexprs = dict(GROUP_SIZE=4, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, SEQ_LEN_Q=1, PACKED=False,
-                      CAUSAL=False, WINDOW=False, NUM_M_BLOCKS=1, BLOCK_M=16, BLOCK_N=block_n,
+    constexprs = dict(GROUP_SIZE=group, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, SEQ_LEN_Q=1, PACKED=False,
+                      CAUSAL=False, WINDOW=False, NUM_M_BLOCKS=1, BLOCK_M=block_m, BLOCK_N=block_n,
                       DIRECT_OUT=splits == 1, USE_DOT=True, DOT_FP32=False, COMPUTE_DTYPE=compute,
                       NUM_STAGES=stages, USE_PDL=True,
                       # a constexpr of branch exp/fp8-v-convert-first's decode.py (--source it)
-                      **({"CONVERT_V_FIRST": kv == "fp8e4nv"} if "CONVERT_V_FIRST" in fn.arg_names else {}))
+                      **({"CONVERT_V_FIRST": kv == "fp8e4nv"} if "CONVERT_V_FIRST" in fn.arg_names else {}),
+                      **({"TRANSPOSED": transposed} if "TRANSPOSED" in fn.arg_names else {}))
     signature, values = {}, {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -112,11 +114,15 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--splits", type=int, default=6, help="1 compiles the direct-output variant")
     ap.add_argument("--maxnreg", type=int, default=None, help="triton's register cap (compile option)")
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head (G)")
+    ap.add_argument("--block-m", type=int, default=16, help="packed query rows per program")
+    ap.add_argument("--transposed", action="store_true", help="S^T = K Q^T, O^T = V^T P^T form")
     ap.add_argument("--source", default=DEFAULT_SOURCE)
     ap.add_argument("--compare", default=None, help="another decode.py: diff TTIR, TTGIR, SASS")
     args = ap.parse_args(argv)
     opts = (args.kv_dtype, args.block_n, args.warps, args.stages, args.splits)
-    kernel = compile_split(load_module(args.source, "counted"), *opts, maxnreg=args.maxnreg)
+    kernel = compile_split(load_module(args.source, "counted"), *opts, maxnreg=args.maxnreg,
+                           group=args.group, block_m=args.block_m, transposed=args.transposed)
     sass, usage = disassemble(kernel)
     ops = opcodes(sass)
     regs = re.search(r"REG:(\d+)", usage)

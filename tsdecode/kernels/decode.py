@@ -109,6 +109,7 @@ def _split_kv_kernel(
     COMPUTE_DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm90+)
+    TRANSPOSED: tl.constexpr = False,  # S^T = K Q^T, O^T = V^T P^T: rows on the MMA's N side
 ):
     if USE_PDL:
         # Inputs may come from the previous kernel in the stream: wait for it before any load,
@@ -173,7 +174,11 @@ def _split_kv_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if TRANSPOSED:
+        q_t = tl.trans(q)
+        acc_t = tl.zeros([BLOCK_D, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt_row
     k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
@@ -193,7 +198,11 @@ def _split_kv_kernel(
         v_off = page * stride_v_page + tok_off
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if TRANSPOSED:
+            # V^T [BLOCK_D, BLOCK_N], the A operand of O^T = V^T P^T, read in place.
+            v = tl.load(v_head + v_off[None, :] + offs_d[:, None], mask=tl.trans(kv_mask), other=0.0)
+        else:
+            v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -201,32 +210,53 @@ def _split_kv_kernel(
             k = k.to(COMPUTE_DTYPE)
             v = v.to(COMPUTE_DTYPE)
 
-        if USE_DOT:
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
-        else:
-            s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
-        s = s * qk_scale_log2
-        visible = (n[None, :] < row_end[:, None]) & (n[None, :] >= row_lo[:, None])
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows with nothing visible yet keep m = -inf; subtract 0 instead to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
+        if TRANSPOSED:
+            # Tokens on the MMA's M side (16 rows, no padding), query rows on N (padded to 8, not
+            # 16): half the MMAs, half the accumulator registers of the M = 16 form at G <= 8.
+            s_t = tl.dot(k, q_t, out_dtype=tl.float32) * qk_scale_log2  # [BLOCK_N, BLOCK_M]
+            visible_t = (n[:, None] < row_end[None, :]) & (n[:, None] >= row_lo[None, :])
+            s_t = tl.where(visible_t, s_t, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p_t = tl.exp2(s_t - m_safe[None, :])
+            l_i = l_i * alpha + tl.sum(p_t, axis=0)
             if DOT_FP32:
-                pv = tl.dot(p, v, out_dtype=tl.float32)
+                pv_t = tl.dot(v, p_t, out_dtype=tl.float32)
             else:
-                pv = tl.dot(p.to(COMPUTE_DTYPE), v, out_dtype=tl.float32)
+                pv_t = tl.dot(v, p_t.to(COMPUTE_DTYPE), out_dtype=tl.float32)
+            acc_t = acc_t * alpha[None, :] + pv_t
+            m_i = m_new
         else:
-            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            if USE_DOT:
+                s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+            else:
+                s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+            s = s * qk_scale_log2
+            visible = (n[None, :] < row_end[:, None]) & (n[None, :] >= row_lo[:, None])
+            s = tl.where(visible, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # Rows with nothing visible yet keep m = -inf; subtract 0 instead to avoid inf - inf.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if USE_DOT:
+                if DOT_FP32:
+                    pv = tl.dot(p, v, out_dtype=tl.float32)
+                else:
+                    pv = tl.dot(p.to(COMPUTE_DTYPE), v, out_dtype=tl.float32)
+            else:
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
+    if TRANSPOSED:
+        o = tl.trans(acc_t / l_safe[None, :])
+    else:
+        o = acc / l_safe[:, None]
     out_mask = row_valid[:, None] & d_valid[None, :]
     if DIRECT_OUT:
         o_ptrs = (
@@ -330,6 +360,8 @@ def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tl.dtype:
     return _TL_DTYPES.get(q_dtype, tl.float16)
 
 
+_TRANSPOSED = os.environ.get("TSDECODE_TRANSPOSED", "0") == "1"
+
 # Measurement switch (TSDECODE_FP8_COMPUTE=bfloat16 keeps a bf16 query's dtype for fp8 caches).
 _FP8_COMPUTE = os.environ.get("TSDECODE_FP8_COMPUTE", "float16")
 
@@ -406,6 +438,8 @@ def launch_decode(
     g = geometry
     rows = g.group_size * g.seq_len_q
     num_m_blocks = -(-rows // config.block_m)
+    transposed = _TRANSPOSED and config.uses_dot and rows <= 8
+    kernel_block_m = triton.next_power_of_2(rows) if transposed else config.block_m
     block_d = triton.next_power_of_2(g.head_dim)
     interp = interpreter_active()
     sq_b, sq_t, sq_h = _q_strides(q, g.packed)
@@ -434,7 +468,7 @@ def launch_decode(
         *po_strides, *lse_strides,
         GROUP_SIZE=g.group_size, HEAD_DIM=g.head_dim, BLOCK_D=block_d, PAGE_SIZE=g.page_size,
         SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed, CAUSAL=g.causal, WINDOW=g.window_left >= 0,
-        NUM_M_BLOCKS=num_m_blocks, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        NUM_M_BLOCKS=num_m_blocks, BLOCK_M=kernel_block_m, BLOCK_N=config.block_n, TRANSPOSED=transposed,
         DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot, DOT_FP32=interp,
         COMPUTE_DTYPE=compute_dtype(q.dtype, k_cache.dtype), NUM_STAGES=config.num_stages, USE_PDL=pdl,
         num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
