@@ -3,9 +3,9 @@
 Shapes: B:L:Hq:Hkv[:r][:fp8] (r = ragged lengths in [L/2, L], fp8 = float8_e4m3fn K/V cache);
 configs: block_n/splits/warps/stages, or "heur" for what the plan picks today (table or
 heuristic), either with an optional "/R" that launches the split kernel with triton's maxnreg=R
-register cap (an experiment: not part of the config space), and an optional ":t" suffix that
-launches the transposed-product form of the split kernel (an experiment, branch
-exp/transposed-products). Prints us per round, the best, the
+register cap (an experiment: not part of the config space), and an optional ":t" or ":s" suffix
+that forces the split kernel's transposed or standard product form (``transposed_products``;
+without a suffix the rule picks). Prints us per round, the best, the
 ratio to the first config and % of the copy bandwidth measured in the same run.
 Example: python scripts/ab_configs.py --shapes 64:16384:32:8:r --configs heur,32/16/4/2,16/2/1/3
 """
@@ -51,10 +51,11 @@ for text in args.shapes.split(","):
                      ragged="r" in f[4:], kv_dtype="float8_e4m3fn" if "fp8" in f[4:] else "bfloat16")
     sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
     nbytes = bytes_moved(spec, [int(n) for n in sets[0].seq_lens.tolist()])
-    configs, caps, transposed = {}, {}, {}
+    configs, caps, forms = {}, {}, {}
     for c in args.configs.split(","):
-        transposed[c] = c.endswith(":t")
-        fields = c.removesuffix(":t").split("/")
+        name, _, suffix = c.partition(":")
+        forms[c] = {"t": "1", "s": "0", "": "auto"}[suffix]
+        fields = name.split("/")
         if fields[0] == "heur":
             configs[c], caps[c] = None, int(fields[1]) if len(fields) > 1 else None
         else:
@@ -65,7 +66,7 @@ for text in args.shapes.split(","):
     chosen = {}
     for name in list(configs) * 2:
         MAXNREG[0] = caps[name]
-        decode._TRANSPOSED = transposed[name]
+        decode._TRANSPOSED_MODE = forms[name]
         us, sel = time_config(spec, sets, configs[name], args.replay_ms)
         res[name].append(us)
         chosen[name] = sel.kernel_config
@@ -74,7 +75,7 @@ for text in args.shapes.split(","):
     for name, times in res.items():
         c = chosen[name]
         MAXNREG[0] = caps[name]
-        decode._TRANSPOSED = transposed[name]
+        decode._TRANSPOSED_MODE = forms[name]
         err = check_correct(spec, sets[0], c)
         print(f"  {name:10s} n{c.block_n} s{c.num_kv_splits} w{c.num_warps} st{c.num_stages}: {min(times):8.1f} us "
               f"({', '.join(f'{t:.1f}' for t in times)}) {min(times) / first:6.3f}x "

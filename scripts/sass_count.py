@@ -121,8 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", default=None, help="another decode.py: diff TTIR, TTGIR, SASS")
     args = ap.parse_args(argv)
     opts = (args.kv_dtype, args.block_n, args.warps, args.stages, args.splits)
-    kernel = compile_split(load_module(args.source, "counted"), *opts, maxnreg=args.maxnreg,
-                           group=args.group, block_m=args.block_m, transposed=args.transposed)
+    shape = dict(group=args.group, block_m=args.block_m, transposed=args.transposed)
+    kernel = compile_split(load_module(args.source, "counted"), *opts, maxnreg=args.maxnreg, **shape)
     sass, usage = disassemble(kernel)
     ops = opcodes(sass)
     regs = re.search(r"REG:(\d+)", usage)
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     memory = collections.Counter(o for o in ops if re.match(r"(LDG|LDS|STS|LDSM|STSM|LDGSTS|F2FP)", o))
     print("memory and conversions:", ", ".join(f"{k} {v}" for k, v in memory.most_common()))
     if args.compare:
-        other = compile_split(load_module(args.compare, "compared"), *opts)
+        other = compile_split(load_module(args.compare, "compared"), *opts, maxnreg=args.maxnreg, **shape)
         other_sass, _ = disassemble(other)
         for name, a, b in (("ttir", kernel.asm["ttir"], other.asm["ttir"]),
                            ("ttgir", kernel.asm["ttgir"], other.asm["ttgir"]),

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tsdecode import KernelConfig
+from tsdecode.kernels import decode
 from cases import FP8, Case, DEVICE, build, check, plan_wrapper, poisoned_out, reference, run_and_check
 
 KC = KernelConfig
@@ -72,6 +73,40 @@ def test_kernel_matches_reference(name):
 @pytest.mark.parametrize("name", ["gqa-default", "packed-dense", "fixed-sq4-causal", "separate-kv", "fp8-cache-bf16-q"])
 def test_oneshot_matches_reference(name):
     run_and_check(CASES[name], via="oneshot")
+
+
+# Cases with <= 8 query rows per KV head on the tl.dot path (either product form applies).
+FORM_CASES = {name: CASES[name] for name in (
+    "gqa-default", "mqa-g8", "splits-7-bn32", "bn128-single-page", "page3-odd", "d96", "fixed-sq2-dense",
+    "sq1-causal-window", "padded-page-stride", "fp8-cache-bf16-q", "fp8-cache-fp16-q-fp32-out",
+    "fp8-q-fp8-out", "scales")}
+FORM_CASES["packed-causal-8-rows"] = Case(mode="packed", q_lens=(2, 1, 2), mask_type="causal", lens=(5, 40, 17))
+FORM_CASES["fp8-mha-causal-sq2"] = Case(num_qo_heads=4, num_kv_heads=4, kv_dtype=FP8, mode="fixed", seq_len_q=2,
+                                        mask_type="causal", lens=(2, 33, 70))
+
+
+@pytest.mark.parametrize("form", ["0", "1"])
+@pytest.mark.parametrize("name", list(FORM_CASES))
+def test_both_product_forms(monkeypatch, form, name):
+    """The standard (S = Q K^T) and transposed (S^T = K Q^T) split kernels, each forced on 16-bit
+    and 8-bit caches alike (the rule picks one per dtype), match the reference."""
+    monkeypatch.setattr(decode, "_TRANSPOSED_MODE", form)
+    case = FORM_CASES[name]
+    run_and_check(dataclasses.replace(case, config=case.config or KC(block_n=16, block_m=16, num_kv_splits=2)))
+
+
+def test_transposed_products_rule(monkeypatch):
+    """8-bit caches take the transposed form at <= 8 rows on the dot path; nothing else does."""
+    monkeypatch.setattr(decode, "_TRANSPOSED_MODE", "auto")
+    dot, fma = KC(block_n=16, block_m=16), KC(block_n=16, block_m=4)
+    assert decode.transposed_products(FP8, 4, dot) and decode.transposed_products(FP8, 1, dot)
+    assert decode.transposed_products(FP8, 8, dot)
+    assert not decode.transposed_products(FP8, 9, dot) and not decode.transposed_products(FP8, 4, fma)
+    assert not decode.transposed_products(BF16, 4, dot) and not decode.transposed_products(FP16, 1, dot)
+    monkeypatch.setattr(decode, "_TRANSPOSED_MODE", "1")
+    assert decode.transposed_products(BF16, 4, dot) and not decode.transposed_products(BF16, 16, dot)
+    monkeypatch.setattr(decode, "_TRANSPOSED_MODE", "0")
+    assert not decode.transposed_products(FP8, 4, dot)
 
 
 def test_every_config_same_answer():

@@ -13,6 +13,7 @@ import torch
 import tsdecode
 from tsdecode import KernelConfig
 from tsdecode.configs import BLOCK_M_CHOICES, BLOCK_N_CHOICES
+from tsdecode.kernels import decode
 from cases import FP8, Case, build, check, plan_wrapper, poisoned_out, reference, run_and_check
 
 pytestmark = pytest.mark.gpu
@@ -84,6 +85,24 @@ def test_fp8_cache_tile_families(block_n, warps, stages, hq, hkv, p):
     for splits in (1, 5):
         case = Case(lens=(1, block_n - 1, 3 * block_n + 7, 1000), num_qo_heads=hq, num_kv_heads=hkv,
                     head_dim=128, page_size=p, kv_dtype=FP8, seed=block_n + splits,
+                    config=KernelConfig(block_n=block_n, block_m=16, num_kv_splits=splits,
+                                        num_warps=warps, num_stages=stages))
+        run_and_check(case)
+
+
+@pytest.mark.parametrize("form", ["0", "1"])
+@pytest.mark.parametrize("kv_dtype", [BF16, FP16, FP8])
+@pytest.mark.parametrize("block_n,warps,stages", [(16, 1, 3), (16, 1, 5), (32, 2, 2), (64, 4, 2), (128, 8, 3)])
+def test_both_product_forms(monkeypatch, form, kv_dtype, block_n, warps, stages):
+    """The standard and the transposed split kernel (``decode.transposed_products``), each forced on
+    every cache dtype: G = 1 / 4 / 8 and causal SQ = 2 at G = 4 (8 rows), pages smaller than and
+    equal to the tile, ragged lengths across page and tile boundaries, one and several splits."""
+    monkeypatch.setattr(decode, "_TRANSPOSED_MODE", form)
+    q_dtype = FP16 if kv_dtype == FP16 else BF16
+    for hq, hkv, sq, p, splits in ((32, 32, 1, 16, 1), (32, 8, 1, 1, 5), (64, 8, 1, 16, 3), (32, 8, 2, 16, 4)):
+        case = Case(lens=(sq, block_n - 1, 3 * block_n + 7, 1000), num_qo_heads=hq, num_kv_heads=hkv,
+                    head_dim=128, page_size=p, dtype=q_dtype, kv_dtype=kv_dtype, seed=block_n + splits,
+                    mode="fixed" if sq > 1 else "sq1", seq_len_q=sq, mask_type="causal" if sq > 1 else "dense",
                     config=KernelConfig(block_n=block_n, block_m=16, num_kv_splits=splits,
                                         num_warps=warps, num_stages=stages))
         run_and_check(case)

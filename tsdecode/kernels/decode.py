@@ -8,7 +8,9 @@ split). The program's rows are the G query heads of its KV head times the reques
 tokens ("packed rows", row r = token * G + head), so each K/V byte is read once per KV head, not
 once per query head. It walks its split's K/V tiles through the block table with an online
 softmax (base 2, scale folded in) and writes either the final output (one split) or a
-normalised partial output and its log2-sum-exp to fp32 scratch.
+normalised partial output and its log2-sum-exp to fp32 scratch. With tl.dot and at most 8 rows,
+the products take one of two forms (``transposed_products``): S = Q K^T and O = P V (rows on
+the MMA's M side), or S^T = K Q^T and O^T = V^T P^T (tokens on M, rows on N).
 
 Pass 2 (``_merge_kernel``, only when num_kv_splits > 1): one program per (query token, query
 head, head-dim slice) combines the splits' partials weighted by exp2(lse - max).
@@ -217,7 +219,7 @@ def _split_kv_kernel(
             visible_t = (n[:, None] < row_end[None, :]) & (n[:, None] >= row_lo[None, :])
             s_t = tl.where(visible_t, s_t, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s_t, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # as below: no inf - inf
             alpha = tl.exp2(m_i - m_safe)
             p_t = tl.exp2(s_t - m_safe[None, :])
             l_i = l_i * alpha + tl.sum(p_t, axis=0)
@@ -360,7 +362,27 @@ def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tl.dtype:
     return _TL_DTYPES.get(q_dtype, tl.float16)
 
 
-_TRANSPOSED = os.environ.get("TSDECODE_TRANSPOSED", "0") == "1"
+# Measurement switch (TSDECODE_TRANSPOSED=1 / 0 forces the transposed / standard product form on
+# every tl.dot launch with <= 8 rows; default "auto": ``transposed_products``'s rule).
+_TRANSPOSED_MODE = os.environ.get("TSDECODE_TRANSPOSED", "auto")
+
+
+def transposed_products(kv_dtype: torch.dtype, rows: int, config: KernelConfig) -> bool:
+    """Whether the split kernel computes S^T = K Q^T and O^T = V^T P^T (the TRANSPOSED form).
+
+    rows: packed query rows per KV head (G * SQ). The MMA's M side is at least 16: the standard
+    form puts the rows there (G = 4 pads 4 rows to 16), the transposed form puts the 16 tokens
+    of a tile there and the rows on N (padded to 8), so at rows <= 8 it issues half the MMAs
+    and holds half the accumulator. Taken for 8-bit caches, whose per-tile instruction chain
+    limits them: fp8 rows 8-10% faster on the H200; 16-bit caches, bandwidth-bound, moved
+    -2.5% to +2.5% (docs/perf-notes.md, "Ninth lease").
+    """
+    if not config.uses_dot or rows > 8:
+        return False
+    if _TRANSPOSED_MODE in ("0", "1"):
+        return _TRANSPOSED_MODE == "1"
+    return kv_dtype.itemsize == 1
+
 
 # Measurement switch (TSDECODE_FP8_COMPUTE=bfloat16 keeps a bf16 query's dtype for fp8 caches).
 _FP8_COMPUTE = os.environ.get("TSDECODE_FP8_COMPUTE", "float16")
@@ -438,7 +460,7 @@ def launch_decode(
     g = geometry
     rows = g.group_size * g.seq_len_q
     num_m_blocks = -(-rows // config.block_m)
-    transposed = _TRANSPOSED and config.uses_dot and rows <= 8
+    transposed = transposed_products(k_cache.dtype, rows, config)
     kernel_block_m = triton.next_power_of_2(rows) if transposed else config.block_m
     block_d = triton.next_power_of_2(g.head_dim)
     interp = interpreter_active()
