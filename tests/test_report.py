@@ -3,10 +3,6 @@ re-rendering, comparison mode, the implementation registry and the HTML in headl
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # effective only if triton is not imported yet
-
 import csv
 import json
 import math
