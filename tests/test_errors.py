@@ -1,5 +1,9 @@
 """One test per error path: bad input raises TypeError/ValueError naming the argument."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -192,3 +196,22 @@ def test_cpu_tensors_need_interpreter(inp, monkeypatch):
     monkeypatch.setattr(tsdecode.api, "interpreter_active", lambda: False)  # as if compiled for a GPU
     with pytest.raises(ValueError, match="CUDA device"):
         plan(inp)
+
+
+def test_measurement_switches_reject_unknown_values(monkeypatch):
+    """TSDECODE_* switches: a value outside the documented ones is an error naming the variable,
+    not a silent default (e.g. TSDECODE_DISABLE_PDL=true would otherwise leave PDL on)."""
+    from tsdecode.kernels import decode
+
+    monkeypatch.setenv("TSDECODE_DISABLE_PDL", "true")
+    with pytest.raises(ValueError, match=r"TSDECODE_DISABLE_PDL='true': expected one of '', '0', '1'"):
+        decode.env_choice("TSDECODE_DISABLE_PDL", ("", "0", "1"), "0")
+    monkeypatch.setenv("TSDECODE_DISABLE_PDL", "1")
+    assert decode.env_choice("TSDECODE_DISABLE_PDL", ("", "0", "1"), "0") == "1"
+    monkeypatch.delenv("TSDECODE_DISABLE_PDL")
+    assert decode.env_choice("TSDECODE_DISABLE_PDL", ("", "0", "1"), "0") == "0"
+    # The switches read at import fail the import with the same message.
+    for name, bad in (("TSDECODE_TRANSPOSED", "yes"), ("TSDECODE_FP8_COMPUTE", "fp16")):
+        env = dict(os.environ, **{name: bad})
+        r = subprocess.run([sys.executable, "-c", "import tsdecode"], capture_output=True, text=True, env=env)
+        assert r.returncode != 0 and f"{name}={bad!r}" in r.stderr, r.stderr[-500:]

@@ -43,6 +43,15 @@ def interpreter_active() -> bool:
     return _INTERPRETING
 
 
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """A measurement switch's value from the environment; ValueError naming it if not in choices."""
+    value = os.environ.get(name, default)
+    if value not in choices:
+        raise ValueError(f"environment variable {name}={value!r}: expected one of "
+                         f"{', '.join(repr(c) for c in choices)}")
+    return value
+
+
 _PDL_CACHE: dict[int, bool] = {}
 
 
@@ -65,7 +74,9 @@ def pdl_enabled(device: torch.device) -> bool:
     It lets the merge kernel (and this op after the previous kernel) launch while the prior
     grid drains; each kernel waits (gdc_wait) before its first load, so results are unchanged.
     """
-    if device.type != "cuda" or interpreter_active() or os.environ.get("TSDECODE_DISABLE_PDL", "0") == "1":
+    if device.type != "cuda" or interpreter_active():
+        return False
+    if env_choice("TSDECODE_DISABLE_PDL", ("", "0", "1"), "0") == "1":
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _PDL_CACHE:
@@ -364,7 +375,7 @@ def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tl.dtype:
 
 # Measurement switch (TSDECODE_TRANSPOSED=1 / 0 forces the transposed / standard product form on
 # every tl.dot launch with <= 8 rows; default "auto": ``transposed_products``'s rule).
-_TRANSPOSED_MODE = os.environ.get("TSDECODE_TRANSPOSED", "auto")
+_TRANSPOSED_MODE = env_choice("TSDECODE_TRANSPOSED", ("auto", "0", "1"), "auto")
 
 
 def transposed_products(kv_dtype: torch.dtype, rows: int, config: KernelConfig) -> bool:
@@ -385,7 +396,7 @@ def transposed_products(kv_dtype: torch.dtype, rows: int, config: KernelConfig) 
 
 
 # Measurement switch (TSDECODE_FP8_COMPUTE=bfloat16 keeps a bf16 query's dtype for fp8 caches).
-_FP8_COMPUTE = os.environ.get("TSDECODE_FP8_COMPUTE", "float16")
+_FP8_COMPUTE = env_choice("TSDECODE_FP8_COMPUTE", ("float16", "bfloat16"), "float16")
 
 
 @dataclass(frozen=True)
