@@ -476,3 +476,21 @@ def test_seed_configs_cover_splits_and_the_lean_family():
     assert sorted(c.num_kv_splits for c in deep) == [2, 4]
     for c in seeds:  # every seed lies in the space
         assert all(getattr(c, k) in v for k, v in space.items())
+
+
+def test_seed_configs_reach_the_lean_programs_per_sm_targets():
+    """With the shape's programs at one split, both lean families are seeded at the split counts
+    for ~8 and ~46 programs per SM, even when the default's own splits are far from them."""
+    from tuner.search import seed_configs
+
+    default = KernelConfig(block_n=64, block_m=16, num_kv_splits=8, num_warps=4, num_stages=2)
+    space = {"block_n": [16, 64], "block_m": [16], "num_kv_splits": [1, 2, 4, 8, 16, 32, 64, 95, 96, 128],
+             "num_warps": [1, 4], "num_stages": [2, 3, 5]}
+    plain = seed_configs(default, space)
+    seeds = seed_configs(default, space, base_programs=64, num_sms=132)  # B=8, Hkv=8
+    assert seeds[:len(plain)] == plain and len(set(seeds)) == len(seeds)
+    # ~8 per SM: 8 * 132 / 64 -> 16 splits (the 3-stage lean seed at 16 = 2x the default's
+    # splits is there already); ~46 per SM: 46 * 132 / 64 -> 95 splits.
+    added = {(c.num_kv_splits, c.num_stages) for c in seeds[len(plain):]}
+    assert added == {(16, 5), (95, 3), (95, 5)}
+    assert all(c.block_n == 16 and c.num_warps == 1 for c in seeds[len(plain):])

@@ -144,15 +144,21 @@ def space_size(space: dict[str, Sequence[int]]) -> int:
     return math.prod(len(v) for v in space.values())
 
 
-def seed_configs(default: KernelConfig, space: dict[str, Sequence[int]]) -> list[KernelConfig]:
+def seed_configs(default: KernelConfig, space: dict[str, Sequence[int]],
+                 base_programs: int | None = None, num_sms: int | None = None) -> list[KernelConfig]:
     """The first trials of a new study: the default, then the default with a few other split
     counts (the knob that matters most for decode) from the space, then the "lean program"
     family at 1x, 2x and 4x the default's splits: the smallest block_n, 1 warp, 3 stages (about
     12 resident programs per H200 SM against 5 for block_n=64 at 4 warps). On the H200 that
     family was the best config of 6 of 10 held-out ragged shapes and of two tuned buckets, and
-    TPE with 40-64 trials rarely reached it on its own (docs/perf-notes.md). Last, the same
+    TPE with 40-64 trials rarely reached it on its own (docs/perf-notes.md). Then the same
     family with the deepest pipeline of the space (5 stages: two K/V tiles in flight) at 1x and
-    1/2x the default's splits (the best at fp8 caches and at B=1 with long K/V on the H200)."""
+    1/2x the default's splits (the best at fp8 caches and at B=1 with long K/V on the H200).
+    Last, given base_programs (programs at one split) and num_sms, both lean families at the
+    split counts for about 8 and 46 programs per SM, the heuristic's two calibrated targets
+    (16-bit and fp8 lean rules), whatever the default's own regime: at fp8 with B <= 32 the
+    default is a 64-token 4-warp config whose splits keep these seeds out of reach otherwise
+    (docs/perf-notes.md, "Ninth lease")."""
     out = [default]
     splits = space["num_kv_splits"]
     s = default.num_kv_splits
@@ -166,6 +172,10 @@ def seed_configs(default: KernelConfig, space: dict[str, Sequence[int]]) -> list
     candidates += [{**lean, "num_kv_splits": near(splits, c)} for c in (s, 2 * s, 4 * s)]
     deep = {**lean, "num_stages": max(space["num_stages"])}
     candidates += [{**deep, "num_kv_splits": near(splits, c)} for c in (s, max(1, s // 2))]
+    if base_programs and num_sms:
+        for per_sm in (8, 46):
+            target = near(splits, max(1, round(per_sm * num_sms / base_programs)))
+            candidates += [{**lean, "num_kv_splits": target}, {**deep, "num_kv_splits": target}]
     for change in candidates:
         config = KernelConfig(**{**default.to_dict(), **change})
         if config not in out:
@@ -652,7 +662,10 @@ class Tuner:
         if final and final.get("trials_budget", 0) >= s.trials and final.get("ok"):
             return self._resume_final(bucket, name, final)
         if not study.get_trials(deepcopy=False):  # a new study: the default first
-            for config in [default] if use_grid else seed_configs(default, space):
+            base_programs = (shape.batch_size * shape.num_kv_heads
+                             * -(-shape.rows_per_kv_head // default.block_m))
+            seeds = [default] if use_grid else seed_configs(default, space, base_programs, num_sms)
+            for config in seeds:
                 study.enqueue_trial(config.to_dict())
         cache = self._cache_from_storage(study)
         waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
