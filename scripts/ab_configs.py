@@ -1,15 +1,20 @@
 """Same-run timing of explicit configs on a few shapes (CUDA-graph method, two interleaved rounds).
 
-Shapes: B:L:Hq:Hkv[:r][:fp8] (r = ragged lengths in [L/2, L], fp8 = float8_e4m3fn K/V cache);
-configs: block_n/splits/warps/stages, or "heur" for what the plan picks today (table or
-heuristic), either with an optional "/R" that launches the split kernel with triton's maxnreg=R
-register cap (an experiment: not part of the config space), and an optional ":t" or ":s" suffix
-that forces the split kernel's transposed or standard product form (``transposed_products``;
-without a suffix the rule picks). Prints us per round, the best, the
-ratio to the first config and % of the copy bandwidth measured in the same run.
-Example: python scripts/ab_configs.py --shapes 64:16384:32:8:r --configs heur,32/16/4/2,16/2/1/3
+Shapes: B:L:Hq:Hkv[:r][:fp8][:dD] (r = ragged lengths in [L/2, L], fp8 = float8_e4m3fn K/V cache,
+dD = head dim D instead of 128);
+configs: block_n/splits/warps/stages (splits "pX": the count closest to X programs per SM,
+round(X * SMs / (B * Hkv))), "heur" for what the plan picks today (table or heuristic) or "rule"
+for what it picks without a table (``heuristic_config``, scaled to ragged lengths), each with an optional "/R" that launches the split
+kernel with triton's maxnreg=R register cap (an experiment: not part of the config space), and
+an optional ":" suffix of letters: "t" or "s" forces the split kernel's transposed or standard
+product form (``transposed_products``; without either the rule picks), "h" stores the split
+partials in the output dtype instead of fp32 (an experiment: the plan's scratch, patched here).
+Prints us per round, the best, the ratio to the first config and % of the copy bandwidth
+measured in the same run.
+Example: python scripts/ab_configs.py --shapes 64:16384:32:8:r --configs heur,32/16/4/2,16/p8/1/3:h
 """
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -17,7 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
+import tsdecode.api  # noqa: E402
 from tsdecode import KernelConfig  # noqa: E402
+from tsdecode.configs import config_from_table_hit, device_num_sms  # noqa: E402
 from tsdecode.kernels import decode  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
 from tuner.measure import bytes_moved, copy_bandwidth_gbs, make_inputs, num_copies  # noqa: E402
@@ -42,24 +49,48 @@ class _CappedLaunch:
 
 
 decode._split_kv_kernel = _CappedLaunch()
+_allocate_scratch = tsdecode.api.allocate_scratch
+HALF_PARTIALS = [None]  # the output dtype when set: partial_o stored in it instead of fp32
+
+
+def _scratch(geometry, config, device):
+    scratch = _allocate_scratch(geometry, config, device)
+    if scratch is None or HALF_PARTIALS[0] is None:
+        return scratch
+    return scratch[0].to(HALF_PARTIALS[0]), scratch[1]
+
+
+tsdecode.api.allocate_scratch = _scratch
 dev = torch.device("cuda")
+num_sms = device_num_sms(dev)
 copy = copy_bandwidth_gbs(dev)
 print(f"# copy {copy:.0f} GB/s; torch {torch.__version__}; {torch.cuda.get_device_name(dev)}", flush=True)
 for text in args.shapes.split(","):
     f = text.split(":")
     spec = ShapeSpec(batch_size=int(f[0]), kv_len=int(f[1]), num_qo_heads=int(f[2]), num_kv_heads=int(f[3]),
-                     ragged="r" in f[4:], kv_dtype="float8_e4m3fn" if "fp8" in f[4:] else "bfloat16")
+                     ragged="r" in f[4:], kv_dtype="float8_e4m3fn" if "fp8" in f[4:] else "bfloat16",
+                     head_dim=next((int(x[1:]) for x in f[4:] if x.startswith("d")), 128))
     sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
-    nbytes = bytes_moved(spec, [int(n) for n in sets[0].seq_lens.tolist()])
-    configs, caps, forms = {}, {}, {}
+    lens = [int(n) for n in sets[0].seq_lens.tolist()]
+    nbytes = bytes_moved(spec, lens)
+    # The plan's shape without a table: ragged lengths as the plan measures them (longest / mean).
+    shape = dataclasses.replace(spec.to_problem_shape(), kv_len_spread=max(lens) * len(lens) / sum(lens))
+    configs, caps, forms, halves = {}, {}, {}, {}
     for c in args.configs.split(","):
         name, _, suffix = c.partition(":")
-        forms[c] = {"t": "1", "s": "0", "": "auto"}[suffix]
+        assert set(suffix) <= set("tsh"), f"unknown suffix letters in {c!r}"
+        forms[c] = "1" if "t" in suffix else "0" if "s" in suffix else "auto"
+        halves[c] = sets[0].out.dtype if "h" in suffix else None
         fields = name.split("/")
-        if fields[0] == "heur":
-            configs[c], caps[c] = None, int(fields[1]) if len(fields) > 1 else None
+        if fields[0] in ("heur", "rule"):
+            configs[c] = None if fields[0] == "heur" else config_from_table_hit(shape, None, num_sms).kernel_config
+            caps[c] = int(fields[1]) if len(fields) > 1 else None
         else:
-            n, s, w, st = (int(x) for x in fields[:4])
+            n, w, st = int(fields[0]), int(fields[2]), int(fields[3])
+            if fields[1].startswith("p"):
+                s = max(1, round(float(fields[1][1:]) * num_sms / (spec.batch_size * spec.num_kv_heads)))
+            else:
+                s = int(fields[1])
             configs[c] = KernelConfig(block_n=n, block_m=16, num_kv_splits=s, num_warps=w, num_stages=st)
             caps[c] = int(fields[4]) if len(fields) > 4 else None
     res = {k: [] for k in configs}
@@ -67,6 +98,7 @@ for text in args.shapes.split(","):
     for name in list(configs) * 2:
         MAXNREG[0] = caps[name]
         decode._TRANSPOSED_MODE = forms[name]
+        HALF_PARTIALS[0] = halves[name]
         us, sel = time_config(spec, sets, configs[name], args.replay_ms)
         res[name].append(us)
         chosen[name] = sel.kernel_config
@@ -76,6 +108,7 @@ for text in args.shapes.split(","):
         c = chosen[name]
         MAXNREG[0] = caps[name]
         decode._TRANSPOSED_MODE = forms[name]
+        HALF_PARTIALS[0] = halves[name]
         err = check_correct(spec, sets[0], c)
         print(f"  {name:10s} n{c.block_n} s{c.num_kv_splits} w{c.num_warps} st{c.num_stages}: {min(times):8.1f} us "
               f"({', '.join(f'{t:.1f}' for t in times)}) {min(times) / first:6.3f}x "

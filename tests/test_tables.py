@@ -785,4 +785,60 @@ def test_heuristic_fp8_caches_take_lean_programs_at_about_46_per_sm():
     assert config(128, 8192, num_qo_heads=32, num_kv_heads=32).num_kv_splits == 1
     assert config(128, 8192, head_dim=64).block_n == 32
     assert config(128, 8192, kv=torch.bfloat16).num_warps == 4  # the 16-bit large-batch rule
-    assert config(8, 8192).block_n == 64  # 64 programs (< 4 per SM): not this rule
+    assert config(8, 8192).num_kv_splits == 16  # 64 programs (< 4 per SM): not this rule
+
+
+def test_heuristic_fp8_caches_below_4_programs_per_sm_take_lean_programs_at_about_8_per_sm():
+    """fp8 cache, < 4 B*Hkv programs per SM, <= 16 rows, D <= 128: 16-token tiles at D=128 (32 at
+    D=64), 1 warp, 5 stages, splits for ~8 programs per SM (at most one a K/V tile); more rows
+    or D=256 keep the 64-token rule, a 16-bit cache its lean rule."""
+    from tsdecode.configs import heuristic_config
+
+    def config(b, n, kv=torch.float8_e4m3fn, **kw):
+        return heuristic_config(make_shape(batch_size=b, kv_len=n, kv_dtype=kv, **kw), 132)
+
+    c = config(8, 8192)  # 64 programs: round(8 * 132 / 64) = 16 splits
+    assert (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits) == (16, 1, 5, 16)
+    assert config(1, 131072).num_kv_splits == 132
+    assert config(1, 1024).num_kv_splits == 64  # one 16-token tile a split
+    assert config(48, 4096).num_kv_splits == 3  # 384 programs: round(2.75)
+    assert config(64, 8192).num_kv_splits == 2  # 512 programs, 3.9 per SM
+    assert config(16, 2048, num_qo_heads=32, num_kv_heads=32).num_kv_splits == 2
+    assert config(8, 8192, head_dim=64).block_n == 32
+    assert config(8, 8192, head_dim=256).num_warps == 4  # D = 256: the 64-token rule
+    assert config(8, 8192, num_qo_heads=256, num_kv_heads=8).num_warps == 4  # 32 rows
+    assert config(8, 8192, kv=torch.bfloat16).num_stages == 3  # the 16-bit lean rule
+
+
+def _bucket_shape(class_key: str, bucket: tuple[int, int], entry: TableEntry) -> ProblemShape:
+    """The uniform-length shape a shipped entry was tuned at: its class key, the batch size it
+    was measured at and the bucket's K/V length (the presets' lengths are powers of two)."""
+    fields = dict(part.split("=", 1) for part in class_key.split(","))
+    assert fields["sq"].isdigit() and fields["mask"] in ("dense", "causal"), (
+        f"{class_key}: extend _bucket_shape to this query mode / mask")
+    hkv = int(fields["hkv"])
+    return ProblemShape(
+        batch_size=entry.tuned_batch_size or bucket[0], num_qo_heads=int(fields["g"]) * hkv, num_kv_heads=hkv,
+        head_dim=int(fields["d"]), page_size=int(fields["p"]), max_kv_len=bucket[1],
+        max_seq_len_q=int(fields["sq"]), mask_kind=fields["mask"],
+        q_dtype=getattr(torch, fields["q"]), kv_dtype=getattr(torch, fields["kv"]),
+        o_dtype=getattr(torch, fields["o"]),
+    )
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "tuned_configs").glob("*.json")), ids=lambda p: p.name)
+def test_shipped_entries_were_timed_against_todays_heuristic(path):
+    """Every shipped entry records the default it beat (or kept): it must be what
+    heuristic_config gives that bucket's shape today, else "tuned never slower than the
+    heuristic" is unchecked for it and the class needs re-tuning after a heuristic change."""
+    from tsdecode.configs import heuristic_config
+
+    table = tables.load_table(path)
+    assert table is not None and table.entries
+    stale = []
+    for class_key, buckets in table.entries.items():
+        for bucket, entry in buckets.items():
+            today = heuristic_config(_bucket_shape(class_key, bucket, entry), table.device.sm_count)
+            if entry.default_config != today:
+                stale.append(f"{class_key} {bucket}: recorded {entry.default_config}, today {today}")
+    assert not stale, "\n".join(stale)

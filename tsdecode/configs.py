@@ -226,8 +226,9 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     SM when B*Hkv programs cannot, down to one 64-token tile per split; at large batch with long
     K/V, a few splits of narrower tiles (block_n=32) still help (shorter dependent chains, better
     tail balance); at large batch with shorter K/V, splits only where they fill a mostly empty
-    last wave (``splits_for_full_waves``). fp8 caches with >= 4 B*Hkv programs per SM: lean
-    programs again, about 46 per SM, with 5 stages (two K/V tiles in flight per program).
+    last wave (``splits_for_full_waves``). fp8 caches: lean programs with 5 stages (two K/V
+    tiles in flight per program), splits for about 8 per SM below 4 B*Hkv programs per SM (16
+    rows or fewer, D <= 128) and for about 46 per SM from 4 B*Hkv programs per SM.
     """
     rows = shape.rows_per_kv_head
     block_m = min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
@@ -238,8 +239,20 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     num_kv_splits = 1
     num_warps = 4
     num_stages = 2
-    if (base_programs < LEAN_MAX_PROGRAMS_PER_SM * max(1, num_sms) and block_m == DOT_MIN_BLOCK_M
-            and shape.head_dim <= 128 and shape.kv_dtype != torch.float8_e4m3fn):
+    fp8 = shape.kv_dtype == torch.float8_e4m3fn
+    if (base_programs < target_programs and fp8 and block_m == DOT_MIN_BLOCK_M
+            and shape.head_dim <= 128):
+        # fp8 caches with few programs: lean programs with two K/V tiles in flight, splits for
+        # about 8 per SM (at most 12 fit at 5 stages, so rounding never spills into a second
+        # wave). H200, same run, 20 shapes at B*Hkv < 4 per SM: 0.66-0.91x the time of 64-token
+        # tiles at 4 warps (the previous rule; B=8 L=8k 40.4 vs 57.0 us, B=1 L=128k 75.8 vs
+        # 110.1), within 2.5% of the best of 4, 8 and 12 per SM and 2, 3 and 5 stages at 16 of
+        # them and within 10% at all (reports/nvidia-h200/2026-11-29/ab_fp8_small_batch_rule.txt;
+        # docs/perf-notes.md, "Tenth lease").
+        block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 5
+        num_kv_splits = max(1, round(LEAN_PROGRAMS_PER_SM * max(1, num_sms) / base_programs))
+    elif (base_programs < LEAN_MAX_PROGRAMS_PER_SM * max(1, num_sms) and block_m == DOT_MIN_BLOCK_M
+            and shape.head_dim <= 128 and not fp8):
         # Lean programs: the best tile family in 8 of 9 shapes at B*Hkv <= 256 in one H200 sweep
         # (B=1 L=8k 14.3 vs 15.9 us for 64-token tiles at 4 warps, B=8 L=8k 71.6 vs 72.2 us,
         # B=32 L=1k 39.2 vs 41.0 us; reports/nvidia-h200/2026-11-29/merge_fused_ab.txt, separate
@@ -250,7 +263,7 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     elif base_programs < target_programs:
         num_kv_splits = max(1, target_programs // base_programs)
         num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 64))
-    elif shape.kv_dtype == torch.float8_e4m3fn:
+    elif fp8:
         # fp8 caches: converting K/V costs more instructions per byte than the bf16 path, and
         # many lean programs hide it best: 16-token tiles at D = 128, 1 warp, splits for ~46
         # programs per SM of >= 1k tokens. H200, same run: B=128 L=8k G=4 586 us vs 651 for
