@@ -4,11 +4,12 @@ Shapes: B:L:Hq:Hkv[:r][:fp8][:dD] (r = ragged lengths in [L/2, L], fp8 = float8_
 dD = head dim D instead of 128);
 configs: block_n/splits/warps/stages (splits "pX": the count closest to X programs per SM,
 round(X * SMs / (B * Hkv))), "heur" for what the plan picks today (table or heuristic) or "rule"
-for what it picks without a table (``heuristic_config``, scaled to ragged lengths), each with an optional "/R" that launches the split
-kernel with triton's maxnreg=R register cap (an experiment: not part of the config space), and
-an optional ":" suffix of letters: "t" or "s" forces the split kernel's transposed or standard
-product form (``transposed_products``; without either the rule picks), "h" stores the split
-partials in the output dtype instead of fp32 (an experiment: the plan's scratch, patched here).
+for what it picks without a table (``heuristic_config``, scaled to ragged lengths), each with an
+optional "/R" that launches the split kernel with triton's maxnreg=R register cap (an
+experiment: not part of the config space), and an optional ":" suffix of letters: "t" or "s"
+forces the split kernel's transposed or standard product form (``transposed_products``; without
+either the rule picks), "h" stores the split partials in the output dtype instead of fp32 (an
+experiment: the plan's scratch, patched here).
 Prints us per round, the best, the ratio to the first config and % of the copy bandwidth
 measured in the same run.
 Example: python scripts/ab_configs.py --shapes 64:16384:32:8:r --configs heur,32/16/4/2,16/p8/1/3:h
@@ -83,7 +84,8 @@ for text in args.shapes.split(","):
         halves[c] = sets[0].out.dtype if "h" in suffix else None
         fields = name.split("/")
         if fields[0] in ("heur", "rule"):
-            configs[c] = None if fields[0] == "heur" else config_from_table_hit(shape, None, num_sms).kernel_config
+            no_table = config_from_table_hit(shape, None, num_sms).kernel_config
+            configs[c] = None if fields[0] == "heur" else no_table
             caps[c] = int(fields[1]) if len(fields) > 1 else None
         else:
             n, w, st = int(fields[0]), int(fields[2]), int(fields[3])
