@@ -215,3 +215,36 @@ def test_measurement_switches_reject_unknown_values(monkeypatch):
         env = dict(os.environ, **{name: bad})
         r = subprocess.run([sys.executable, "-c", "import tsdecode"], capture_output=True, text=True, env=env)
         assert r.returncode != 0 and f"{name}={bad!r}" in r.stderr, r.stderr[-500:]
+
+
+@pytest.mark.parametrize("capability, dtypes, pattern", [
+    ((8, 0), (BF16, FP8, BF16), "kv dtype float8_e4m3fn needs a GPU of compute capability >= 8.9"),
+    ((8, 6), (FP8, FP8, FP8), "q dtype float8_e4m3fn needs .* this GPU has compute capability 8.6"),
+    ((7, 5), (BF16, BF16, BF16), "q dtype bfloat16 needs a GPU of compute capability >= 8.0"),
+    ((7, 5), (torch.float16, torch.float16, BF16), "output dtype bfloat16 needs"),
+    ((8, 9), (BF16, FP8, BF16), None),
+    ((8, 0), (BF16, BF16, torch.float32), None),
+    ((7, 5), (torch.float16, torch.float16, torch.float16), None),
+])
+def test_dtypes_the_gpu_cannot_run(capability, dtypes, pattern):
+    """fp8 needs sm89+, bf16 sm80+: a TypeError naming the dtype and the GPU's capability at plan
+    time, instead of a triton compile error."""
+    from tsdecode.validation import validate_dtypes_on_gpu
+
+    if pattern is None:
+        validate_dtypes_on_gpu(capability, *dtypes)
+    else:
+        with pytest.raises(TypeError, match=pattern):
+            validate_dtypes_on_gpu(capability, *dtypes)
+
+
+def test_plan_checks_the_gpus_capability(monkeypatch):
+    if DEVICE.type != "cuda":
+        pytest.skip("the capability check runs for CUDA devices only")
+    inp = build(Case(lens=(5, 40), kv_dtype=FP8))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(TypeError, match="compute capability >= 8.9"):
+        plan(inp, kv_data_type=FP8)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(TypeError, match="bfloat16 needs a GPU of compute capability >= 8.0"):
+        plan(build(Case(lens=(5, 40))))

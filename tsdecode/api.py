@@ -161,6 +161,8 @@ def _make_plan(
     block_tables, seq_lens_kv = V.validate_block_tables(block_tables, seq_lens_kv)
     device = block_tables.device
     V.validate_execution_device(device, interpreter_active())
+    if device.type == "cuda":
+        V.validate_dtypes_on_gpu(torch.cuda.get_device_capability(device), q_dtype, kv_dtype, o_dtype)
     batch, cols = block_tables.shape
     packed, sq_cap = V.resolve_query_mode(seq_len_q, qo_indptr, max_seq_len_q)
     if packed:

@@ -127,6 +127,29 @@ def validate_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{name} must be on {device} (like block_tables), got {t.device}")
 
 
+# Triton's float8e4nv (torch.float8_e4m3fn) needs sm89+ (Ada, Hopper and newer); bf16 needs sm80+.
+FP8_MIN_CAPABILITY = (8, 9)
+BF16_MIN_CAPABILITY = (8, 0)
+
+
+def validate_dtypes_on_gpu(
+    capability: tuple[int, int], q_dtype: torch.dtype, kv_dtype: torch.dtype, o_dtype: torch.dtype
+) -> None:
+    """A TypeError, before any compile, for dtypes the GPU (compute capability) cannot run."""
+    arch = f"compute capability {capability[0]}.{capability[1]}"
+    for name, dtype in (("q dtype", q_dtype), ("kv dtype", kv_dtype), ("output dtype", o_dtype)):
+        if dtype == FP8 and tuple(capability) < FP8_MIN_CAPABILITY:
+            raise TypeError(
+                f"{name} float8_e4m3fn needs a GPU of compute capability >= 8.9 (Ada, Hopper or "
+                f"newer: triton's fp8e4nv); this GPU has {arch}. Use a bfloat16/float16 cache here"
+            )
+        if dtype == torch.bfloat16 and tuple(capability) < BF16_MIN_CAPABILITY:
+            raise TypeError(
+                f"{name} bfloat16 needs a GPU of compute capability >= 8.0 (Ampere or newer); "
+                f"this GPU has {arch}. Use float16 here"
+            )
+
+
 def validate_execution_device(device: torch.device, interpret: bool) -> None:
     if device.type == "cuda":
         return
