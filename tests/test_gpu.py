@@ -14,7 +14,7 @@ import tsdecode
 from tsdecode import KernelConfig
 from tsdecode.configs import BLOCK_M_CHOICES, BLOCK_N_CHOICES
 from tsdecode.kernels import decode
-from cases import FP8, Case, build, check, plan_wrapper, poisoned_out, reference, run_and_check
+from cases import FP8, Case, build, check, plan_wrapper, poisoned_out, reference, run_and_check, run_oneshot
 
 pytestmark = pytest.mark.gpu
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -225,3 +225,30 @@ def test_plan_compiles_every_kernel_run_uses(lens, splits):
     torch.cuda.synchronize()
     assert _compiled_kernel_count() == before
     check(case, out, reference(case, inp))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("splits", [1, 6])
+def test_tensors_on_a_gpu_that_is_not_the_current_one(splits):
+    """Triton launches on the current device and stream; with every tensor on cuda:1 while cuda:0
+    is current, plan (warm-up launch), run, a graph captured on cuda:1 and the one-shot op must
+    still compute on cuda:1 and match the reference."""
+    case = Case(lens=(100, 900, 17), num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                config=KernelConfig(block_n=32, num_kv_splits=splits, num_warps=4, num_stages=2))
+    dev1 = torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        inp = build(case, device=dev1)
+        ref = reference(case, inp)
+        w = plan_wrapper(case, inp)
+        out = poisoned_out(case, inp)
+        w.run(inp.q, inp.cache, out=out)
+        torch.cuda.synchronize(dev1)
+        check(case, out, ref)
+        check(case, run_oneshot(case, inp), ref)
+        with torch.cuda.device(dev1):  # capture runs on cuda:1's stream; replay with cuda:0 current
+            out.fill_(float("nan"))
+            g = _graph(lambda: w.run(inp.q, inp.cache, out=out))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize(dev1)
+        check(case, out, ref)

@@ -8,6 +8,7 @@ q and the output are [B, Hq, D] (SQ=1), [B, SQ, Hq, D] (fixed SQ>1) or [total_q,
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -244,6 +245,15 @@ def _make_plan(
     )
 
 
+def _on_device(device: torch.device):
+    """The plan's GPU made current for a launch: triton launches on the current device and its
+    current stream, so tensors on another GPU than the current one need this (torch ops do the
+    same); a no-op (no context switch) when it is current already or the device is the CPU."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def _run_plan(plan: _Plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out) -> torch.Tensor:
     """Validate run arguments against the plan (host metadata only) and launch."""
     g = plan.geometry
@@ -260,10 +270,11 @@ def _run_plan(plan: _Plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out) -> to
         inputs = {"q": q, "paged_kv_cache K": k_cache, "paged_kv_cache V": v_cache,
                   "block_tables": plan.block_tables, "seq_lens_kv": plan.seq_lens}
         out = V.validate_out(out, plan.q_shape, plan.o_dtype, plan.device, inputs)
-    launch_decode(
-        q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.qo_indptr, out,
-        plan.scratch, g, plan.selected.kernel_config, bmm1, bmm2,
-    )
+    with _on_device(plan.device):
+        launch_decode(
+            q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.qo_indptr, out,
+            plan.scratch, g, plan.selected.kernel_config, bmm1, bmm2,
+        )
     return out
 
 
@@ -283,10 +294,11 @@ def _warm_up(plan: _Plan) -> None:
     indptr = torch.tensor([0, g.seq_len_q], dtype=torch.int32, device=dev) if g.packed else None
     config = plan.selected.kernel_config
     scratch = allocate_scratch(geometry, config, dev)
-    launch_decode(
-        q, cache[:, 0], cache[:, 1], plan.block_tables, seq_lens, indptr, out, scratch,
-        geometry, config, 1.0, 1.0, merge_total_q=g.total_q,
-    )
+    with _on_device(dev):
+        launch_decode(
+            q, cache[:, 0], cache[:, 1], plan.block_tables, seq_lens, indptr, out, scratch,
+            geometry, config, 1.0, 1.0, merge_total_q=g.total_q,
+        )
 
 
 def batch_decode_with_paged_kv_cache(
