@@ -245,9 +245,11 @@ def test_tensors_on_a_gpu_that_is_not_the_current_one(splits):
         torch.cuda.synchronize(dev1)
         check(case, out, ref)
         check(case, run_oneshot(case, inp), ref)
-        with torch.cuda.device(dev1):  # capture runs on cuda:1's stream; replay with cuda:0 current
-            out.fill_(float("nan"))
-            g = _graph(lambda: w.run(inp.q, inp.cache, out=out))
+        # Capture on a cuda:1 stream (torch.cuda.graph's default capture stream lives on the
+        # device current when a process first captures), replay with cuda:0 current.
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=torch.cuda.Stream(dev1)):
+            w.run(inp.q, inp.cache, out=out)
         out.fill_(float("nan"))
         g.replay()
         torch.cuda.synchronize(dev1)
