@@ -254,3 +254,15 @@ def test_tensors_on_a_gpu_that_is_not_the_current_one(splits):
         g.replay()
         torch.cuda.synchronize(dev1)
         check(case, out, ref)
+
+
+def test_shared_memory_per_sm_is_the_gpus_own():
+    """The heuristic's residency model reads the GPU's shared memory a SM from torch (no silent
+    fallback to the H100/H200 constant on a GPU where torch exposes it)."""
+    from tsdecode.configs import device_shared_memory_per_sm
+
+    props = torch.cuda.get_device_properties(0)
+    assert hasattr(props, "shared_memory_per_multiprocessor")
+    assert device_shared_memory_per_sm(torch.device("cuda", 0)) == props.shared_memory_per_multiprocessor > 0
+    if (props.major, props.minor) == (9, 0):
+        assert props.shared_memory_per_multiprocessor == 233472

@@ -810,6 +810,34 @@ def test_heuristic_fp8_caches_below_4_programs_per_sm_take_lean_programs_at_abou
     assert config(8, 8192, kv=torch.bfloat16).num_stages == 3  # the 16-bit lean rule
 
 
+def test_lean_rules_take_only_the_programs_that_fit_an_sm():
+    """On a GPU with 100 KiB of shared memory a SM (L40S, RTX 4090: 7 lean programs fit, not 12)
+    both lean rules split for 7 programs per SM, rounded down, instead of ~8 (which would leave a
+    few programs for a second wave); with the H100/H200 default nothing changes."""
+    from tsdecode.configs import (
+        SHARED_MEMORY_PER_SM, config_from_table_hit, device_shared_memory_per_sm, heuristic_config,
+        resident_programs_per_sm,
+    )
+
+    small = 102400
+    for kv, stages in ((torch.bfloat16, 3), (torch.float8_e4m3fn, 5)):
+        shape = make_shape(batch_size=1, kv_len=32768, kv_dtype=kv)
+        lean = KernelConfig(block_n=16, block_m=16, num_warps=1, num_stages=stages)
+        assert resident_programs_per_sm(lean, shape, small) == 7
+        assert resident_programs_per_sm(lean, shape) == 12
+        capped = heuristic_config(shape, 142, small)
+        assert (capped.block_n, capped.num_warps, capped.num_stages) == (16, 1, stages)
+        assert capped.num_kv_splits == 7 * 142 // 8 == 124  # 992 programs: 6.99 per SM
+        assert heuristic_config(shape, 142).num_kv_splits == 142  # round(8 * 142 / 8)
+        assert heuristic_config(shape, 132, SHARED_MEMORY_PER_SM) == heuristic_config(shape, 132)
+    # Ragged lengths (48 programs): H200 22 splits x 1.5 = 33 (1584 programs: 12 a SM fit); at 7 a
+    # SM, 19 splits that 1.5x would push past one wave, and too short for 4 waves: kept.
+    ragged = make_shape(batch_size=6, kv_len=8192, kv_len_spread=1.5)
+    assert select_config(ragged, CPU).kernel_config.num_kv_splits == 33
+    assert config_from_table_hit(ragged, None, 132, small).kernel_config.num_kv_splits == 19
+    assert device_shared_memory_per_sm(CPU) == SHARED_MEMORY_PER_SM
+
+
 def _bucket_shape(class_key: str, bucket: tuple[int, int], entry: TableEntry) -> ProblemShape:
     """The uniform-length shape a shipped entry was tuned at: its class key, the batch size it
     was measured at and the bucket's K/V length (the presets' lengths are powers of two)."""

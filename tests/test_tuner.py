@@ -273,7 +273,7 @@ def test_broken_candidates_are_pruned_with_reasons(tmp_path, monkeypatch):
     # A default inside the grid's limits (the heuristic's own choice for this shape lies outside
     # them and would widen the grid), so the grid is exactly block_n x block_m.
     fixed_default = KernelConfig(block_n=64, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
-    monkeypatch.setattr(search, "heuristic_config", lambda shape, num_sms: fit_config(fixed_default, shape)[0])
+    monkeypatch.setattr(search, "heuristic_config", lambda shape, *_: fit_config(fixed_default, shape)[0])
     monkeypatch.setattr(sys.modules[__name__], "heuristic_config", search.heuristic_config)
     out = tmp_path / "broken"
     trials = _grid_trials(ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64),

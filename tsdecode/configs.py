@@ -47,8 +47,10 @@ RESIDENT_PROGRAMS_BY_TILE = {
     (128, 1): 3, (128, 2): 3, (128, 4): 2, (128, 8): 2,
     (256, 1): 1, (256, 2): 1, (256, 4): 1, (256, 8): 1,
 }
-# Shared memory a program may use per SM (H100/H200: 227 KiB + 1 KiB reserved per program), and
-# what a program holds besides its K/V buffers (Q, page IDs: occupancy.txt's 2-stage rows).
+# Shared memory a program may use per SM (H100/H200: 227 KiB + 1 KiB reserved per program; the
+# default of every function taking shared_memory_per_sm, and the value for CPU runs; a GPU's own
+# comes from ``device_shared_memory_per_sm``), and what a program holds besides its K/V buffers
+# (Q, page IDs: occupancy.txt's 2-stage rows).
 SHARED_MEMORY_PER_SM = 233472
 SHARED_MEMORY_RESERVED_PER_PROGRAM = 1024
 SHARED_MEMORY_FIXED_PER_PROGRAM = 4096
@@ -215,7 +217,9 @@ def fit_config(config: KernelConfig, shape: ProblemShape) -> tuple[KernelConfig,
     return fitted, tuple(changes)
 
 
-def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
+def heuristic_config(
+    shape: ProblemShape, num_sms: int, shared_memory_per_sm: int = SHARED_MEMORY_PER_SM
+) -> KernelConfig:
     """A good default from SM count, B*Hkv, L, G and D (no measurement).
 
     Calibrated on H200 sweeps (docs/perf-notes.md). Rows: all G*SQ query rows of a KV head in
@@ -228,7 +232,10 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     tail balance); at large batch with shorter K/V, splits only where they fill a mostly empty
     last wave (``splits_for_full_waves``). fp8 caches: lean programs with 5 stages (two K/V
     tiles in flight per program), splits for about 8 per SM below 4 B*Hkv programs per SM (16
-    rows or fewer, D <= 128) and for about 46 per SM from 4 B*Hkv programs per SM.
+    rows or fewer, D <= 128) and for about 46 per SM from 4 B*Hkv programs per SM. The ~8 per SM
+    of both lean rules are capped at what fits an SM at once (``resident_programs_per_sm`` with
+    this GPU's shared memory: 7 on GPUs with 100 KiB a SM), so they never spill a few programs
+    into a second wave.
     """
     rows = shape.rows_per_kv_head
     block_m = min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
@@ -243,14 +250,16 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     if (base_programs < target_programs and fp8 and block_m == DOT_MIN_BLOCK_M
             and shape.head_dim <= 128):
         # fp8 caches with few programs: lean programs with two K/V tiles in flight, splits for
-        # about 8 per SM (at most 12 fit at 5 stages, so rounding never spills into a second
-        # wave). H200, same run, 20 shapes at B*Hkv < 4 per SM: 0.66-0.91x the time of 64-token
-        # tiles at 4 warps (the previous rule; B=8 L=8k 40.4 vs 57.0 us, B=1 L=128k 75.8 vs
-        # 110.1), within 2.5% of the best of 4, 8 and 12 per SM and 2, 3 and 5 stages at 16 of
-        # them and within 10% at all (reports/nvidia-h200/2026-11-29/ab_fp8_small_batch_rule.txt;
-        # docs/perf-notes.md, "Tenth lease").
+        # about 8 per SM (12 fit an H200 SM at 5 stages, so rounding never spills into a second
+        # wave; ``_lean_splits`` takes fewer where fewer fit). H200, same run, 20 shapes at
+        # B*Hkv < 4 per SM: 0.66-0.91x the time of 64-token tiles at 4 warps (the previous rule;
+        # B=8 L=8k 40.4 vs 57.0 us, B=1 L=128k 75.8 vs 110.1), within 2.5% of the best of 4, 8
+        # and 12 per SM and 2, 3 and 5 stages at 16 of them and within 10% at all
+        # (reports/nvidia-h200/2026-11-29/ab_fp8_small_batch_rule.txt; docs/perf-notes.md,
+        # "Tenth lease").
         block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 5
-        num_kv_splits = max(1, round(LEAN_PROGRAMS_PER_SM * max(1, num_sms) / base_programs))
+        num_kv_splits = _lean_splits(shape, block_n, num_stages, base_programs, num_sms,
+                                     shared_memory_per_sm)
     elif (base_programs < LEAN_MAX_PROGRAMS_PER_SM * max(1, num_sms) and block_m == DOT_MIN_BLOCK_M
             and shape.head_dim <= 128 and not fp8):
         # Lean programs: the best tile family in 8 of 9 shapes at B*Hkv <= 256 in one H200 sweep
@@ -259,7 +268,8 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
         # merge column).
         # 16 tokens at D = 128: 4 KiB K/V tiles; smaller head dims keep that tile size.
         block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 3
-        num_kv_splits = max(1, round(LEAN_PROGRAMS_PER_SM * max(1, num_sms) / base_programs))
+        num_kv_splits = _lean_splits(shape, block_n, num_stages, base_programs, num_sms,
+                                     shared_memory_per_sm)
     elif base_programs < target_programs:
         num_kv_splits = max(1, target_programs // base_programs)
         num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 64))
@@ -279,7 +289,7 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     else:
         num_kv_splits = splits_for_full_waves(
             shape, KernelConfig(block_n=block_n, block_m=block_m, num_warps=num_warps,
-                                num_stages=num_stages), base_programs, num_sms)
+                                num_stages=num_stages), base_programs, num_sms, shared_memory_per_sm)
     config = KernelConfig(
         block_n=block_n, block_m=block_m, num_kv_splits=num_kv_splits, num_warps=num_warps,
         num_stages=num_stages,
@@ -287,22 +297,37 @@ def heuristic_config(shape: ProblemShape, num_sms: int) -> KernelConfig:
     return fit_config(config, shape)[0]
 
 
-def resident_programs_per_sm(config: KernelConfig, shape: ProblemShape) -> int:
+def _lean_splits(shape: ProblemShape, block_n: int, num_stages: int, base_programs: int,
+                 num_sms: int, shared_memory_per_sm: int) -> int:
+    """Splits for about LEAN_PROGRAMS_PER_SM lean (1-warp) programs per SM; where fewer fit an SM
+    at once, as many as fit (rounded down, so no program waits for a second wave)."""
+    lean = KernelConfig(block_n=block_n, block_m=DOT_MIN_BLOCK_M, num_warps=1, num_stages=num_stages)
+    resident = resident_programs_per_sm(lean, shape, shared_memory_per_sm)
+    if resident >= LEAN_PROGRAMS_PER_SM:
+        return max(1, round(LEAN_PROGRAMS_PER_SM * max(1, num_sms) / base_programs))
+    return max(1, resident * max(1, num_sms) // base_programs)
+
+
+def resident_programs_per_sm(
+    config: KernelConfig, shape: ProblemShape, shared_memory_per_sm: int = SHARED_MEMORY_PER_SM
+) -> int:
     """Split-kernel programs of ``config`` that fit one SM at once (a model, not a query).
 
-    Registers: RESIDENT_PROGRAMS_BY_TILE (measured at D = 128, 2 stages). Shared memory: the fixed
-    part plus the K/V buffers, one K and one V tile each, one buffer below 5 stages and two from 5
-    (triton 3.6 through the page table: docs/perf-notes.md, "Sixth lease").
+    Registers: RESIDENT_PROGRAMS_BY_TILE (measured at D = 128, 2 stages; 64K registers a SM).
+    Shared memory (shared_memory_per_sm bytes a SM): the fixed part plus the K/V buffers, one K
+    and one V tile each, one buffer below 5 stages and two from 5 (triton 3.6 through the page
+    table: docs/perf-notes.md, "Sixth lease").
     """
     by_registers = RESIDENT_PROGRAMS_BY_TILE.get((config.block_n, config.num_warps), 1)
     kv_bytes = shape.kv_dtype.itemsize
     buffers = 2 if config.num_stages >= 5 else 1
     shared = (SHARED_MEMORY_FIXED_PER_PROGRAM + SHARED_MEMORY_RESERVED_PER_PROGRAM
               + buffers * 2 * config.block_n * shape.block_d * kv_bytes)
-    return max(1, min(by_registers, SHARED_MEMORY_PER_SM // shared))
+    return max(1, min(by_registers, shared_memory_per_sm // shared))
 
 
-def splits_for_full_waves(shape: ProblemShape, config: KernelConfig, base_programs: int, num_sms: int) -> int:
+def splits_for_full_waves(shape: ProblemShape, config: KernelConfig, base_programs: int, num_sms: int,
+                          shared_memory_per_sm: int = SHARED_MEMORY_PER_SM) -> int:
     """Splits that avoid a mostly empty last wave when B*Hkv programs already fill the GPU.
 
     Waves = base_programs * S / (resident programs per SM * SMs). S grows from 1 until the last
@@ -313,7 +338,7 @@ def splits_for_full_waves(shape: ProblemShape, config: KernelConfig, base_progra
     at S=2; at L=1k (16 tiles) S=2 was slower than S=1 (B=128: 149 vs 138 us), hence the tile
     floor (docs/perf-notes.md).
     """
-    wave = resident_programs_per_sm(config, shape) * max(1, num_sms)
+    wave = resident_programs_per_sm(config, shape, shared_memory_per_sm) * max(1, num_sms)
     mean_tiles = shape.max_kv_len / max(1.0, shape.kv_len_spread) / config.block_n
     max_splits = max(1, int(mean_tiles // MULTIWAVE_MIN_TILES_PER_SPLIT))
     splits = 1
@@ -345,7 +370,8 @@ def scale_splits_to_batch(
 
 
 def scale_splits_to_raggedness(
-    config: KernelConfig, shape: ProblemShape, num_sms: int
+    config: KernelConfig, shape: ProblemShape, num_sms: int,
+    shared_memory_per_sm: int = SHARED_MEMORY_PER_SM,
 ) -> tuple[KernelConfig, tuple[str, ...]]:
     """More splits for a ragged batch (fixed lengths, longest / mean = shape.kv_len_spread > 1.1).
 
@@ -366,7 +392,7 @@ def scale_splits_to_raggedness(
     if factor < 1.1:
         return config, ()
     base = shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // config.block_m)
-    wave = resident_programs_per_sm(config, shape) * max(1, num_sms)
+    wave = resident_programs_per_sm(config, shape, shared_memory_per_sm) * max(1, num_sms)
     programs = base * config.num_kv_splits
     if programs * factor <= wave:
         # Splits of fewer than RAGGED_MIN_TILES_PER_SPLIT tiles are dominated by each program's
@@ -421,6 +447,15 @@ def device_num_sms(device: torch.device) -> int:
     return 132
 
 
+def device_shared_memory_per_sm(device: torch.device) -> int:
+    """Shared memory per SM in bytes of a CUDA device (H100/H200 233472, A100 167936, L40S and
+    RTX 4090 102400); SHARED_MEMORY_PER_SM (H100/H200) for CPU/interpreter runs."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return int(getattr(props, "shared_memory_per_multiprocessor", SHARED_MEMORY_PER_SM))
+    return SHARED_MEMORY_PER_SM
+
+
 def select_config(
     shape: ProblemShape, device: torch.device, explicit: KernelConfig | None = None
 ) -> SelectedConfig:
@@ -432,10 +467,12 @@ def select_config(
         return SelectedConfig(fitted, "explicit", adjustments=changes)
     from . import tables  # local import: tables imports this module
 
-    return config_from_table_hit(shape, tables.lookup(shape, device), device_num_sms(device))
+    return config_from_table_hit(shape, tables.lookup(shape, device), device_num_sms(device),
+                                 device_shared_memory_per_sm(device))
 
 
-def config_from_table_hit(shape: ProblemShape, hit, num_sms: int) -> SelectedConfig:
+def config_from_table_hit(shape: ProblemShape, hit, num_sms: int,
+                          shared_memory_per_sm: int = SHARED_MEMORY_PER_SM) -> SelectedConfig:
     """The config a plan uses given ``tables.lookup``'s result (a TableHit, or None).
 
     A hit's splits are scaled to the batch size it was tuned at and to ragged lengths, then
@@ -458,14 +495,15 @@ def config_from_table_hit(shape: ProblemShape, hit, num_sms: int) -> SelectedCon
         tuned_batch = (hit.entry.tuned_batch_size if hit.entry and hit.entry.tuned_batch_size
                        else hit.bucket[0])
         config, scaled = scale_splits_to_batch(hit.kernel_config, tuned_batch, shape.batch_size)
-        config, ragged = scale_splits_to_raggedness(config, shape, num_sms)
+        config, ragged = scale_splits_to_raggedness(config, shape, num_sms, shared_memory_per_sm)
         fitted, changes = fit_config(config, shape)
         changes = scaled + ragged + changes
         return SelectedConfig(
             fitted, "table", table_path=hit.table_path, bucket=hit.bucket,
             adjustments=hit.notes + changes,
         )
-    config, ragged = scale_splits_to_raggedness(heuristic_config(shape, num_sms), shape, num_sms)
+    config, ragged = scale_splits_to_raggedness(
+        heuristic_config(shape, num_sms, shared_memory_per_sm), shape, num_sms, shared_memory_per_sm)
     fitted, changes = fit_config(config, shape)
     return SelectedConfig(fitted, "heuristic", adjustments=off_bucket_winner + ragged + changes)
 

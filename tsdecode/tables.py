@@ -41,7 +41,8 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from .configs import (
-    KernelConfig, ProblemShape, config_from_table_hit, device_num_sms, next_power_of_2,
+    KernelConfig, ProblemShape, config_from_table_hit, device_num_sms, device_shared_memory_per_sm,
+    next_power_of_2,
 )
 
 try:  # POSIX; without it merges are not serialised between processes (atomic replace still holds)
@@ -1126,7 +1127,8 @@ def explain(
         "search:",
         *trace,
     ]
-    selected = config_from_table_hit(shape, hit, device_num_sms(device))
+    selected = config_from_table_hit(shape, hit, device_num_sms(device),
+                                     device_shared_memory_per_sm(device))
     if selected.source == "table":
         e = hit.entry
         lines.append(f"source: table {hit.table_path} bucket {hit.bucket}")

@@ -301,7 +301,7 @@ def run_tune(args, device: str) -> int:
                     "grid": [s.name for s in specs]}
         tuner = search.Tuner(settings, client, device_info=device_info, copy_bandwidth_gbs=copy_bw,
                              paths=paths, pool=pool, progress=not args.no_progress, echo=echo,
-                             run_info=run_info)
+                             run_info=run_info, shared_memory_per_sm=hello["shared_memory_per_sm"])
         tuner.log.write({"kind": "run", "device": device_info.to_dict(), "copy_bandwidth_gbs": copy_bw,
                          "settings": settings.to_dict(), "worker_pid": hello["pid"], **run_info})
         results = tuner.run(buckets)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import tsdecode
-from tsdecode.configs import KernelConfig, device_num_sms, heuristic_config
+from tsdecode.configs import KernelConfig, device_num_sms, device_shared_memory_per_sm, heuristic_config
 
 from .grids import DTYPES, ShapeSpec
 from .measure import DecodeInputs
@@ -138,7 +138,9 @@ def tuned_factory(spec: ShapeSpec, inputs: DecodeInputs) -> Prepared:
 
 def heuristic_factory(spec: ShapeSpec, inputs: DecodeInputs) -> Prepared:
     """tsdecode with tsdecode.configs.heuristic_config for this shape and GPU."""
-    config = heuristic_config(spec.to_problem_shape(), device_num_sms(inputs.q.device))
+    device = inputs.q.device
+    config = heuristic_config(spec.to_problem_shape(), device_num_sms(device),
+                              device_shared_memory_per_sm(device))
     return _wrapper_call(plan_wrapper(spec, inputs, config), inputs, "heuristic")
 
 

@@ -207,7 +207,10 @@ class Measurer:
             bw = cpu_copy_bandwidth_gbs() if measure_bandwidth else None
         import triton
 
+        from tsdecode.configs import device_shared_memory_per_sm
+
         return {"device": info, "copy_bandwidth_gbs": bw, "interpreter": not self.cuda,
+                "shared_memory_per_sm": device_shared_memory_per_sm(self.device),
                 "triton": triton.__version__, "torch": torch.__version__, "pid": os.getpid()}
 
     def _prepare(self, spec: ShapeSpec) -> _Prepared:

@@ -40,8 +40,8 @@ from optuna.trial import TrialState
 from tsdecode import tables
 from tsdecode.configs import (
     BLOCK_M_CHOICES, BLOCK_N_CHOICES, DOT_MIN_BLOCK_M, MAX_NUM_KV_SPLITS, NUM_STAGES_CHOICES,
-    NUM_WARPS_CHOICES, KernelConfig, ProblemShape, fit_config, heuristic_config, next_power_of_2,
-    num_kv_tiles,
+    NUM_WARPS_CHOICES, SHARED_MEMORY_PER_SM, KernelConfig, ProblemShape, fit_config, heuristic_config,
+    next_power_of_2, num_kv_tiles,
 )
 
 from .grids import ShapeSpec
@@ -536,11 +536,14 @@ class Tuner:
 
     def __init__(self, settings: TuneSettings, client, *, device_info, copy_bandwidth_gbs: float | None,
                  paths: OutputPaths, pool: CompilePool | None = None, progress: bool = True,
-                 echo: Callable[[str], None] | None = None, run_info: dict[str, Any] | None = None) -> None:
+                 echo: Callable[[str], None] | None = None, run_info: dict[str, Any] | None = None,
+                 shared_memory_per_sm: int = SHARED_MEMORY_PER_SM) -> None:
         self.s = settings
         self.client = client
         self.pool = pool
         self.device_info = device_info
+        # the measured GPU's, so that each bucket's default is the heuristic the runtime uses there
+        self.shared_memory_per_sm = shared_memory_per_sm
         self.copy_bw = copy_bandwidth_gbs
         self.paths = paths
         self.progress = progress
@@ -642,7 +645,7 @@ class Tuner:
         s = self.s
         shape = bucket.shape
         num_sms = self.device_info.sm_count
-        default = heuristic_config(shape, num_sms)
+        default = heuristic_config(shape, num_sms, self.shared_memory_per_sm)
         space = build_space(shape, num_sms, s.limits, default)
         size = space_size(space)
         name = self.study_name(bucket, space)
