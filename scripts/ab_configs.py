@@ -48,6 +48,9 @@ class _CappedLaunch:
         launch = _split_kernel[grid]
         return lambda *a, **kw: launch(*a, **kw, **({"maxnreg": MAXNREG[0]} if MAXNREG[0] else {}))
 
+    def warmup(self, *a, **kw):  # plan() compiles through this
+        return _split_kernel.warmup(*a, **kw, **({"maxnreg": MAXNREG[0]} if MAXNREG[0] else {}))
+
 
 decode._split_kv_kernel = _CappedLaunch()
 _allocate_scratch = tsdecode.api.allocate_scratch

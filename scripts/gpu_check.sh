@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call: install carried wheels, run the GPU tests, then benchmarks (and optionally tuning
 # and a report). Usage: scripts/gpu_check.sh [STEP ...]   steps: tests bench nopdl sweep sweepsel
-# fp8bf16 targets heldout ncu occupancy tune report.
+# fp8bf16 targets heldout ncu occupancy host tune report.
 # Default: tests bench. TUNE_ARGS / REPORT_ARGS override the tune / report grids and budgets
 # (TUNE_TAG suffixes the tune log's name; TUNE_OUT is the tune's table folder, default $OUT/tuned:
 # tuned_configs merges into the shipped table there, so later steps of the same call use it);
@@ -42,6 +42,7 @@ for step in $steps; do
                  python3 scripts/ncu_probe.py --kv-dtype "${a%%:*}" "${a#*:}" 2>&1 | tee -a "$OUT/ncu.log" | grep -v "^==PROF==" | tail -150
              done ;;
     occupancy) python3 scripts/occupancy.py 2>&1 | tee "$OUT/occupancy.log" ;;
+    host)    python3 scripts/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" ;;
     heldout) python3 scripts/bench_decode.py --suite heldout ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/heldout.csv" 2>&1 | tee "$OUT/heldout.log" | grep -v "^#   " ;;
     tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "${TUNE_OUT:-$OUT/tuned}" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -40 ;;
     report)  python3 -m tuner report ${REPORT_ARGS:---preset llama3-8b} --out "$OUT/report" 2>&1 | tee "$OUT/report.log" | tail -30 ;;

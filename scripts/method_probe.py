@@ -56,6 +56,9 @@ class _NoLaunch:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
 
+    def warmup(self, *args, **kwargs):  # plan() compiles through this
+        return None
+
 
 @triton.jit
 def _read_sum_kernel(src_ptr, out_ptr, n_per_program, BLOCK: tl.constexpr):

@@ -248,3 +248,44 @@ def test_plan_checks_the_gpus_capability(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     with pytest.raises(TypeError, match="bfloat16 needs a GPU of compute capability >= 8.0"):
         plan(build(Case(lens=(5, 40))))
+
+
+@pytest.mark.parametrize("target", ["cache", "K", "V", "block_tables", "bound seq_lens"])
+def test_out_must_not_overlap_any_input(target):
+    """run refuses an out whose bytes overlap any tensor the kernels read (checked by byte span:
+    combined or separate cache, and the plan's block table and bound lengths), and accepts the
+    same buffer's bytes right past that tensor."""
+    case = Case(lens=(40, 33), separate=target in ("K", "V"))  # every row: 3 live pages
+    inp = build(case)
+    q = inp.q
+    out_bytes = q.numel() * q.element_size()
+    block_tables, seq_lens, cache = inp.block_tables, inp.seq_lens, inp.cache
+    # One byte buffer holds the target tensor followed by room for out.
+    if target == "cache":
+        victim = cache
+    elif target in ("K", "V"):
+        victim = cache[0 if target == "K" else 1]
+    else:
+        victim = block_tables if target == "block_tables" else seq_lens
+    nbytes = victim.numel() * victim.element_size()
+    buf = torch.zeros(nbytes + out_bytes + 64, dtype=torch.uint8, device=q.device)
+    moved = buf[:nbytes].view(victim.dtype).view(victim.shape)
+    moved.copy_(victim)
+    if target == "cache":
+        cache = moved
+    elif target in ("K", "V"):
+        cache = (moved, cache[1]) if target == "K" else (cache[0], moved)
+    elif target == "block_tables":
+        block_tables = moved
+    else:
+        seq_lens = moved
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan(block_tables, seq_lens, 8, 2, 64, 16, q_data_type=BF16, bind_seq_lens=target == "bound seq_lens")
+    overlapping = buf[nbytes - 2 : nbytes - 2 + out_bytes].view(BF16).view(q.shape)
+    with pytest.raises(ValueError, match="out must not alias"):
+        w.run(q, cache, out=overlapping)
+    past = buf[nbytes : nbytes + out_bytes].view(BF16).view(q.shape)
+    past.fill_(float("nan"))
+    assert w.run(q, cache, out=past) is past
+    ref = w.run(q, cache)
+    assert torch.isfinite(past.float()).all() and torch.equal(past, ref)

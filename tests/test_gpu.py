@@ -211,15 +211,26 @@ def _compiled_kernel_count() -> int:
     return total
 
 
-@pytest.mark.parametrize("lens,splits", [((900,), 66), ((300,) * 40, 3), ((5000, 17, 64), 128)])
-def test_plan_compiles_every_kernel_run_uses(lens, splits):
-    """run() after plan() compiles nothing (capture-safe): the warm-up launch in plan() picks the
-    same split and merge kernels, including the merge's head-dim slicing for the real grid."""
+@pytest.mark.parametrize("lens,splits,extra", [
+    ((900,), 66, {}), ((300,) * 40, 3, {}), ((5000, 17, 64), 128, {}), ((700, 33), 1, {}),
+    ((700, 33, 90), 5, dict(mode="packed", seq_len_q=4, q_lens=(1, 4, 2), mask_type="causal")),
+    ((700, 33), 7, dict(mode="fixed", seq_len_q=3, window_left=20, mask_type="causal")),
+    ((700, 33), 7, dict(dtype=torch.bfloat16, kv_dtype=FP8, separate=True)),
+    ((1000, 16), 4, dict(dtype=FP8, out_dtype=torch.float32, page_stride_pad=16)),
+])
+def test_plan_compiles_every_kernel_run_uses(lens, splits, extra):
+    """run() after plan() compiles nothing (capture-safe): plan() compiles the same split and merge
+    kernels (``DecodeLaunch.compile``), including the merge's head-dim slicing for the real grid,
+    for every query mode, mask, dtype and cache form."""
     case = Case(lens=lens, num_qo_heads=32, num_kv_heads=8, head_dim=128,
-                config=KernelConfig(block_n=16, block_m=16, num_kv_splits=splits, num_warps=2, num_stages=3))
+                config=KernelConfig(block_n=16, block_m=16, num_kv_splits=splits, num_warps=2, num_stages=3),
+                **extra)
     inp = build(case)
+    for fn in (decode._split_kv_kernel, decode._merge_kernel):
+        fn.device_caches.clear()  # kernels other tests compiled in this process must not count
     w = plan_wrapper(case, inp)
     before = _compiled_kernel_count()
+    assert before >= (2 if splits > 1 else 1)
     out = poisoned_out(case, inp)
     w.run(inp.q, inp.cache, out=out)
     torch.cuda.synchronize()
@@ -266,3 +277,69 @@ def test_shared_memory_per_sm_is_the_gpus_own():
     assert device_shared_memory_per_sm(torch.device("cuda", 0)) == props.shared_memory_per_multiprocessor > 0
     if (props.major, props.minor) == (9, 0):
         assert props.shared_memory_per_multiprocessor == 233472
+
+
+@pytest.mark.parametrize("splits,separate", [(1, False), (5, False), (5, True)])
+def test_runs_launch_compiled_kernels_directly(monkeypatch, splits, separate):
+    """After a plan's first run, run() launches the compiled kernels without triton's dispatch;
+    the results match the reference for new scales (floats are not specialised) and for inputs
+    with other alignments and strides, which go through the dispatch once (a variant triton
+    compiles separately) and directly afterwards."""
+    case = Case(lens=(100, 900, 17), num_qo_heads=32, num_kv_heads=8, head_dim=128, separate=separate,
+                page_stride_pad=8, config=KernelConfig(block_n=16, num_kv_splits=splits, num_warps=1,
+                                                       num_stages=3))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    launch = w._plan.launch
+    dispatched = []
+    for fn in (decode._split_kv_kernel, decode._merge_kernel):
+        real_run = fn.run
+        monkeypatch.setattr(fn, "run", lambda *a, _real=real_run, _fn=fn, **kw: dispatched.append(_fn) or _real(*a, **kw))
+
+    def run_checked(q, out, bmm1_scale=None, bmm2_scale=1.0, expect_dispatch=False):
+        c = dataclasses.replace(case, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale)
+        dispatched.clear()
+        out.fill_(float("nan"))
+        w.run(q, inp.cache, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out)
+        torch.cuda.synchronize()
+        assert bool(dispatched) == expect_dispatch, dispatched
+        check(c, out, reference(c, dataclasses.replace(inp, q=q)))
+
+    out = poisoned_out(case, inp)
+    run_checked(inp.q, out, expect_dispatch=True)  # the plan's first run builds the direct entry
+    assert len(launch._direct) == 1
+    run_checked(inp.q, out)
+    run_checked(inp.q, out, bmm1_scale=0.3, bmm2_scale=-1.7)
+    # q 2 bytes off a 16-byte boundary, out with a padded head stride: new specialisations.
+    q_shifted = torch.empty(inp.q.numel() + 1, dtype=inp.q.dtype, device=inp.q.device)[1:].view(inp.q.shape)
+    q_shifted.copy_(inp.q)
+    out_wide = torch.empty(inp.q.shape[0], inp.q.shape[1], 160, dtype=out.dtype, device=out.device)[..., :128]
+    run_checked(q_shifted, out, expect_dispatch=True)
+    run_checked(q_shifted, out)
+    run_checked(inp.q, out_wide, expect_dispatch=True)
+    run_checked(inp.q, out_wide, bmm2_scale=0.5)
+    run_checked(inp.q, out)
+    assert len(launch._direct) == 3
+
+
+def test_direct_launch_falls_back_to_triton_dispatch(monkeypatch):
+    """A triton whose compiled-kernel launcher rejects the arguments (TypeError) switches the plan
+    to triton's dispatch for good; results stay right."""
+    case = Case(lens=(300, 41), num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                config=KernelConfig(block_n=16, num_kv_splits=4, num_warps=1, num_stages=3))
+    inp = build(case)
+    ref = reference(case, inp)
+    w = plan_wrapper(case, inp)
+    out = poisoned_out(case, inp)
+    w.run(inp.q, inp.cache, out=out)
+
+    def reject(self, split_args, merge_args):
+        raise TypeError("launcher takes other arguments")
+
+    monkeypatch.setattr(decode._DirectLaunch, "__call__", reject)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        w.run(inp.q, inp.cache, out=out)
+        torch.cuda.synchronize()
+        check(case, out, ref)
+    assert w._plan.launch._direct_broken and not w._plan.launch._direct

@@ -9,14 +9,14 @@ q and the output are [B, Hq, D] (SQ=1), [B, SQ, Hq, D] (fixed SQ>1) or [total_q,
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from . import validation as V
 from .configs import KernelConfig, ProblemShape, SelectedConfig, select_config
-from .kernels.decode import LaunchGeometry, allocate_scratch, interpreter_active, launch_decode
+from .kernels.decode import DecodeLaunch, LaunchGeometry, allocate_scratch, interpreter_active
 
 __all__ = ["batch_decode_with_paged_kv_cache", "BatchDecodePagedTSWrapper"]
 
@@ -37,6 +37,8 @@ class _Plan:
     qo_indptr: torch.Tensor | None  # plan-owned copy
     scratch: tuple[torch.Tensor, torch.Tensor] | None
     max_page_id: int  # largest page ID validated at plan time
+    launch: DecodeLaunch  # the kernels' launches, fixed for this plan
+    plan_tensor_spans: tuple[tuple[str, int, int], ...]  # byte spans of block_tables, seq_lens
 
 
 def _plan_host_values(
@@ -233,15 +235,24 @@ def _make_plan(
         kv_len_spread=1.0 if bind_seq_lens else longest * len(lens) / sum(lens),
     )
     selected = select_config(shape, device, config)
+    seq_lens = seq_lens_kv if bind_seq_lens else seq_lens_kv.clone()
+    qo_indptr = qo_indptr.clone() if packed else None
+    scratch = allocate_scratch(geometry, selected.kernel_config, device)
+    spans = tuple(
+        (name, *span) for name, t in (("block_tables", block_tables), ("seq_lens_kv", seq_lens))
+        if (span := V.byte_span(t)) is not None
+    )
     return _Plan(
         geometry=geometry, selected=selected, q_dtype=q_dtype, kv_dtype=kv_dtype,
         o_dtype=o_dtype,
         q_shape=V.expected_q_shape(packed, batch, sq_cap, total_q, num_qo_heads, head_dim),
-        device=device, block_tables=block_tables,
-        seq_lens=seq_lens_kv if bind_seq_lens else seq_lens_kv.clone(),
-        qo_indptr=qo_indptr.clone() if packed else None,
-        scratch=allocate_scratch(geometry, selected.kernel_config, device),
-        max_page_id=max_page,
+        device=device, block_tables=block_tables, seq_lens=seq_lens, qo_indptr=qo_indptr,
+        scratch=scratch, max_page_id=max_page,
+        launch=DecodeLaunch(
+            geometry, selected.kernel_config, q_dtype, kv_dtype, block_tables, seq_lens, qo_indptr,
+            scratch, device,
+        ),
+        plan_tensor_spans=spans,
     )
 
 
@@ -258,47 +269,27 @@ def _run_plan(plan: _Plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out) -> to
     """Validate run arguments against the plan (host metadata only) and launch."""
     g = plan.geometry
     q = V.validate_query(q, plan.q_shape, plan.q_dtype, plan.device)
-    k_cache, v_cache = V.split_cache(paged_kv_cache)
+    kv_cache, page_shape, cache_tensors = V.validate_cache_layout(paged_kv_cache)
     V.validate_cache_against_plan(
-        k_cache, g.num_kv_heads, g.page_size, g.head_dim, plan.kv_dtype, plan.device,
-        plan.max_page_id,
+        page_shape, cache_tensors[0][1], g.num_kv_heads, g.page_size, g.head_dim, plan.kv_dtype,
+        plan.device, plan.max_page_id,
     )
     bmm1, bmm2 = V.validate_scales(bmm1_scale, bmm2_scale, g.head_dim)
     if out is None:
         out = torch.empty(plan.q_shape, dtype=plan.o_dtype, device=plan.device)
     else:
-        inputs = {"q": q, "paged_kv_cache K": k_cache, "paged_kv_cache V": v_cache,
-                  "block_tables": plan.block_tables, "seq_lens_kv": plan.seq_lens}
-        out = V.validate_out(out, plan.q_shape, plan.o_dtype, plan.device, inputs)
+        out = V.validate_out(out, plan.q_shape, plan.o_dtype, plan.device, (("q", q), *cache_tensors),
+                             plan.plan_tensor_spans)
     with _on_device(plan.device):
-        launch_decode(
-            q, k_cache, v_cache, plan.block_tables, plan.seq_lens, plan.qo_indptr, out,
-            plan.scratch, g, plan.selected.kernel_config, bmm1, bmm2,
-        )
+        plan.launch(q, kv_cache, out, bmm1, bmm2)
     return out
 
 
 def _warm_up(plan: _Plan) -> None:
-    """Compile the plan's kernels before any capture: launch them once on dummy tensors with the
-    plan's dtypes and constexprs, a one-request grid and zero K/V length (no K/V is read)."""
-    g = plan.geometry
-    dev = plan.device
-    geometry = replace(g, batch_size=1, total_q=g.seq_len_q)
-    q = torch.zeros(
-        V.expected_q_shape(g.packed, 1, g.seq_len_q, g.seq_len_q, g.num_qo_heads, g.head_dim),
-        dtype=plan.q_dtype, device=dev,
-    )
-    cache = torch.zeros((1, 2, g.num_kv_heads, g.page_size, g.head_dim), dtype=plan.kv_dtype, device=dev)
-    out = torch.empty(q.shape, dtype=plan.o_dtype, device=dev)
-    seq_lens = torch.zeros(1, dtype=torch.int32, device=dev)
-    indptr = torch.tensor([0, g.seq_len_q], dtype=torch.int32, device=dev) if g.packed else None
-    config = plan.selected.kernel_config
-    scratch = allocate_scratch(geometry, config, dev)
-    with _on_device(dev):
-        launch_decode(
-            q, cache[:, 0], cache[:, 1], plan.block_tables, seq_lens, indptr, out, scratch,
-            geometry, config, 1.0, 1.0, merge_total_q=g.total_q,
-        )
+    """Compile the plan's kernels before any capture (``DecodeLaunch.compile``: no launch, no
+    allocation)."""
+    with _on_device(plan.device):
+        plan.launch.compile(plan.q_shape, plan.q_dtype, plan.kv_dtype, plan.o_dtype)
 
 
 def batch_decode_with_paged_kv_cache(
@@ -336,8 +327,8 @@ def batch_decode_with_paged_kv_cache(
         if out_dtype is not None and out_dtype != out.dtype:
             raise TypeError(f"out_dtype={out_dtype} disagrees with out.dtype={out.dtype}")
         out_dtype = out.dtype
-    k_cache, _ = V.split_cache(paged_kv_cache)
-    num_pages, num_kv_heads, page_size, head_dim = k_cache.shape
+    _, (num_pages, num_kv_heads, page_size, head_dim), cache_tensors = V.validate_cache_layout(paged_kv_cache)
+    kv_dtype = cache_tensors[0][1].dtype
     if q.dim() not in (3, 4):
         raise ValueError(
             f"q must be [B, Hq, D], [B, SQ, Hq, D] or packed [total_q, Hq, D], got shape {list(q.shape)}"
@@ -355,7 +346,7 @@ def batch_decode_with_paged_kv_cache(
     plan = _make_plan(
         block_tables, seq_lens_kv, q.shape[-2], num_kv_heads, head_dim, page_size,
         seq_len_q=seq_len_q, qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q,
-        q_data_type=q.dtype, kv_data_type=k_cache.dtype, o_data_type=out_dtype,
+        q_data_type=q.dtype, kv_data_type=kv_dtype, o_data_type=out_dtype,
         mask_type=mask_type, window_left=window_left, max_kv_len=None, bind_seq_lens=False,
         config=None, num_pages=num_pages,
     )

@@ -239,8 +239,16 @@ def resolve_query_mode(
     return True, max_seq_len_q
 
 
-def split_cache(paged_kv_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (K, V) views [num_pages, Hkv, P, D] of a combined or separate HND cache."""
+def validate_cache_layout(
+    paged_kv_cache: object,
+) -> tuple[
+    torch.Tensor | tuple[torch.Tensor, torch.Tensor], tuple[int, int, int, int],
+    tuple[tuple[str, torch.Tensor], ...],
+]:
+    """Check a combined [num_pages, 2, Hkv, P, D] or separate (K, V) HND cache, each compact
+    inside a page. Return (kv, (num_pages, Hkv, P, D), tensors): kv as the kernels' launcher takes
+    it (the combined tensor or the (K, V) tuple; no views are made), and the cache tensor(s) by
+    name (for ``validate_out``'s overlap check)."""
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
             raise ValueError(f"a separate paged_kv_cache must be (K, V), got {len(paged_kv_cache)} items")
@@ -255,45 +263,57 @@ def split_cache(paged_kv_cache: object) -> tuple[torch.Tensor, torch.Tensor]:
             raise TypeError(f"paged_kv_cache K and V dtypes differ: {k.dtype} vs {v.dtype}")
         if k.device != v.device:
             raise ValueError(f"paged_kv_cache K and V devices differ: {k.device} vs {v.device}")
-    else:
-        cache = require_tensor("paged_kv_cache", paged_kv_cache)
-        if cache.dim() != 5 or cache.shape[1] != 2:
-            raise ValueError(
-                f"paged_kv_cache must be [num_pages, 2, Hkv, P, D] or a (K, V) tuple of "
-                f"[num_pages, Hkv, P, D], got shape {_shape(cache)}"
-            )
-        _, _, hkv, p, d = cache.shape
-        if cache.stride(1) != hkv * p * d:
-            raise ValueError(
-                f"paged_kv_cache must be compact inside a page (stride(1) == Hkv*P*D = {hkv * p * d}); "
-                f"got strides {cache.stride()}"
-            )
-        k, v = cache[:, 0], cache[:, 1]
-    for name, t in (("K", k), ("V", v)):
-        _, hkv, p, d = t.shape
-        expected = (hkv * p * d, p * d, d, 1)
-        if t.stride()[1:] != expected[1:] or (t.shape[0] > 1 and t.stride(0) < expected[0]):
-            raise ValueError(
-                f"paged_kv_cache {name} needs compact HND strides inside a page "
-                f"(Hkv, P, D strides {expected[1:]}, page stride >= {expected[0]}), got {t.stride()}"
-            )
-    return k, v
+        page_shape = tuple(k.shape)
+        for name, t in (("K", k), ("V", v)):
+            _check_page_strides(name, page_shape, t.stride())
+        return (k, v), page_shape, (("paged_kv_cache K", k), ("paged_kv_cache V", v))
+    cache = require_tensor("paged_kv_cache", paged_kv_cache)
+    shape = tuple(cache.shape)
+    if len(shape) != 5 or shape[1] != 2:
+        raise ValueError(
+            f"paged_kv_cache must be [num_pages, 2, Hkv, P, D] or a (K, V) tuple of "
+            f"[num_pages, Hkv, P, D], got shape {shape}"
+        )
+    num_pages, _, hkv, p, d = shape
+    stride = cache.stride()
+    if stride[1] != hkv * p * d:
+        raise ValueError(
+            f"paged_kv_cache must be compact inside a page (stride(1) == Hkv*P*D = {hkv * p * d}); "
+            f"got strides {stride}"
+        )
+    view_shape, view_stride = (num_pages, hkv, p, d), (stride[0], *stride[2:])
+    for name in ("K", "V"):  # both views have the same shape and strides
+        _check_page_strides(name, view_shape, view_stride)
+    return cache, view_shape, (("paged_kv_cache", cache),)
+
+
+def _check_page_strides(name: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+    """A K or V view [num_pages, Hkv, P, D] must be compact inside a page."""
+    _, hkv, p, d = shape
+    expected = (hkv * p * d, p * d, d, 1)
+    if stride[1:] != expected[1:] or (shape[0] > 1 and stride[0] < expected[0]):
+        raise ValueError(
+            f"paged_kv_cache {name} needs compact HND strides inside a page "
+            f"(Hkv, P, D strides {expected[1:]}, page stride >= {expected[0]}), got {stride}"
+        )
 
 
 def validate_cache_against_plan(
-    k: torch.Tensor, num_kv_heads: int, page_size: int, head_dim: int, kv_dtype: torch.dtype,
-    device: torch.device, max_page_id: int,
+    page_shape: tuple[int, int, int, int], cache: torch.Tensor, num_kv_heads: int, page_size: int,
+    head_dim: int, kv_dtype: torch.dtype, device: torch.device, max_page_id: int,
 ) -> None:
-    num_pages, hkv, p, d = k.shape
+    """page_shape: (num_pages, Hkv, P, D) from ``validate_cache_layout``; cache: one of its
+    tensors (K and V share dtype and device)."""
+    num_pages, hkv, p, d = page_shape
     if (hkv, p, d) != (num_kv_heads, page_size, head_dim):
         raise ValueError(
             f"paged_kv_cache pages must be [Hkv={num_kv_heads}, P={page_size}, D={head_dim}], "
             f"got [{hkv}, {p}, {d}]"
         )
-    if k.dtype != kv_dtype:
-        raise TypeError(f"paged_kv_cache dtype must be {kv_dtype} (as planned), got {k.dtype}")
-    if k.device != device:
-        raise ValueError(f"paged_kv_cache must be on {device}, got {k.device}")
+    if cache.dtype != kv_dtype:
+        raise TypeError(f"paged_kv_cache dtype must be {kv_dtype} (as planned), got {cache.dtype}")
+    if cache.device != device:
+        raise ValueError(f"paged_kv_cache must be on {device}, got {cache.device}")
     if max_page_id >= num_pages:
         raise ValueError(
             f"block_tables holds page ID {max_page_id} but paged_kv_cache has only {num_pages} pages"
@@ -333,23 +353,36 @@ def validate_query(
     return _validate_io_tensor("q", q, shape, "the planned shape", q_dtype, device)
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """[first byte, last byte] a tensor's elements occupy."""
+def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """[first byte, last byte] a tensor's elements occupy; None for an empty tensor."""
+    numel = t.numel()
+    if numel == 0:
+        return None
     start = t.data_ptr()
-    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+    if t.is_contiguous():
+        return start, start + numel * t.element_size() - 1
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (extent + 1) * t.element_size() - 1
 
 
 def validate_out(
     out: object, shape: tuple[int, ...], o_dtype: torch.dtype, device: torch.device,
-    inputs: dict[str, torch.Tensor],
+    inputs: tuple[tuple[str, torch.Tensor], ...], input_spans: tuple[tuple[str, int, int], ...] = (),
 ) -> torch.Tensor:
+    """out: q's shape, the planned dtype and device, and no byte shared with any input.
+
+    inputs: (name, tensor) pairs; input_spans: (name, first byte, last byte) of inputs whose
+    spans were taken once (the plan's own tensors)."""
     out = _validate_io_tensor("out", out, shape, "q's shape", o_dtype, device)
-    lo, hi = _span(out)
-    for name, t in inputs.items():
-        if t.numel() == 0:
-            continue
-        a, b = _span(t)
+    span = byte_span(out)
+    if span is None:
+        return out
+    lo, hi = span
+    for name, t in inputs:
+        span = byte_span(t)
+        if span is not None and lo <= span[1] and span[0] <= hi:
+            raise ValueError(f"out must not alias {name} (their memory overlaps)")
+    for name, a, b in input_spans:
         if lo <= b and a <= hi:
             raise ValueError(f"out must not alias {name} (their memory overlaps)")
     return out

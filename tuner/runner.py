@@ -12,8 +12,8 @@ one call, which means nothing.
 A CUDA illegal-address error poisons the process's CUDA context, so the tuner runs the Measurer in
 a worker subprocess (``WorkerClient``) and restarts it when it dies, hangs or reports a poisoned
 context; the candidate that did it is pruned with the reason. ``CompilePool`` precompiles
-candidates in parallel processes (a plan's warm-up launch compiles; the kernels land in Triton's
-on-disk cache, from which the worker loads them).
+candidates in parallel processes (``plan`` compiles without launching; the kernels land in
+Triton's on-disk cache, from which the worker loads them).
 
 Fault injection (tests): a hook ``hook(stage, spec, config, out=None)`` is called at stage
 "compile" (compile pool), "plan" (before the worker plans a candidate) and "output" (after the
@@ -596,7 +596,7 @@ class WorkerClient:
 def compile_candidate(specs: Sequence[ShapeSpec], config: KernelConfig, device: str,
                       hook: str | None = None) -> dict[str, Any]:
     """Plan ``config`` for each spec on small placeholder metadata (same constexprs and integer
-    specialisations as the real inputs); on CUDA the plan's warm-up launch compiles both kernels
+    specialisations as the real inputs); on CUDA ``plan`` compiles both kernels (no launch)
     into Triton's on-disk cache. Never raises: returns {"ok", "reason", "seconds"}."""
     t0 = time.perf_counter()
     try:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from ..configs import KernelConfig
 
@@ -437,11 +438,228 @@ def allocate_scratch(
 
 def _q_strides(t: torch.Tensor, packed: bool) -> tuple[int, int, int]:
     """(batch, token, head) strides of a q/out tensor in any of the three query layouts."""
-    if t.dim() == 4:  # [B, SQ, H, D]
-        return t.stride(0), t.stride(1), t.stride(2)
+    return _io_strides(t.stride(), packed)
+
+
+def _io_strides(stride: tuple[int, ...], packed: bool) -> tuple[int, int, int]:
+    if len(stride) == 4:  # [B, SQ, H, D]
+        return stride[0], stride[1], stride[2]
     if packed:  # [total_q, H, D]
-        return 0, t.stride(0), t.stride(1)
-    return t.stride(0), 0, t.stride(1)  # [B, H, D], SQ = 1
+        return 0, stride[0], stride[1]
+    return stride[0], 0, stride[1]  # [B, H, D], SQ = 1
+
+
+class DecodeLaunch:
+    """One plan's launches of pass 1 (and the merge when config.num_kv_splits > 1).
+
+    The grid, the plan's tensors (block table, lengths, qo_indptr, scratch) and every constexpr
+    are fixed here; a call passes q, K, V, out and the scales. No host sync, no allocation.
+
+    A call goes through triton's jit dispatch (``kernel[grid](...)``) the first time it sees a
+    specialization key (PDL on/off, each varying pointer's address mod 16, every varying stride:
+    a superset of what triton compiles separate variants for) and from then on straight to the
+    compiled kernels (``CompiledKernel[grid](..., stream=)``), which skips triton's per-call
+    argument binding and cache lookup (35-43 us a kernel on the H200 machine's host;
+    scripts/host_overhead.py). The direct path is taken only while the module's kernels are the
+    ``JITFunction`` objects the entry was built from (scripts substitute them to measure variants)
+    and never under the interpreter. ``compile`` builds the kernels a plan's runs need without
+    launching anything.
+    """
+
+    _MAX_ENTRIES = 16  # keys remembered per plan; past it they are dropped (triton's cache keeps the kernels)
+
+    def __init__(
+        self,
+        geometry: LaunchGeometry,
+        config: KernelConfig,
+        q_dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        qo_indptr: torch.Tensor | None,
+        scratch: tuple[torch.Tensor, torch.Tensor] | None,
+        device: torch.device,
+    ) -> None:
+        g = geometry
+        self.geometry, self.config, self.device = g, config, device
+        rows = g.group_size * g.seq_len_q
+        num_m_blocks = -(-rows // config.block_m)
+        transposed = transposed_products(kv_dtype, rows, config)
+        kernel_block_m = triton.next_power_of_2(rows) if transposed else config.block_m
+        block_d = triton.next_power_of_2(g.head_dim)
+        splits = config.num_kv_splits
+        if splits > 1:
+            partial_o, partial_lse = scratch
+            po_strides = (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2))
+            lse_strides = (partial_lse.stride(0), partial_lse.stride(1))
+        else:
+            partial_o = partial_lse = None  # the kernel takes ``out`` there, unused when DIRECT_OUT
+            po_strides, lse_strides = (0, 0, 0), (0, 0)
+        self._partials = (partial_o, partial_lse)
+        self._partial_ptrs = (partial_o.data_ptr(), partial_lse.data_ptr()) if splits > 1 else None
+        indptr = qo_indptr if qo_indptr is not None else seq_lens  # unused unless PACKED
+        self._plan_tensors = (block_tables, seq_lens, indptr)
+        self._plan_ptrs = tuple(t.data_ptr() for t in self._plan_tensors)
+        self._scalars = (int(g.window_left), int(g.max_kv_len), g.num_kv_heads, splits)
+        self._tail_strides = (block_tables.stride(0), *po_strides, *lse_strides)
+        self._po_lse_strides = (*po_strides, *lse_strides)
+        self._grid = (g.batch_size * g.num_kv_heads * num_m_blocks, splits, 1)
+        self._split_constexprs = dict(
+            GROUP_SIZE=g.group_size, HEAD_DIM=g.head_dim, BLOCK_D=block_d, PAGE_SIZE=g.page_size,
+            SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed, CAUSAL=g.causal, WINDOW=g.window_left >= 0,
+            NUM_M_BLOCKS=num_m_blocks, BLOCK_M=kernel_block_m, BLOCK_N=config.block_n,
+            TRANSPOSED=transposed, DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot,
+            DOT_FP32=interpreter_active(), COMPUTE_DTYPE=compute_dtype(q_dtype, kv_dtype),
+            NUM_STAGES=config.num_stages,
+        )
+        self._split_options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+        self._merge_grid, self._merge_constexprs = None, {}
+        if splits > 1:
+            # Slice the head dim (down to 32 columns) until ~2 programs per SM share the partials:
+            # at B=1 one program per head would pull all splits' bytes through 32 SMs.
+            merge_rows = g.total_q * g.num_qo_heads
+            merge_block_d = block_d
+            while merge_block_d > 32 and merge_rows * (block_d // merge_block_d) < 2 * _num_sms(device):
+                merge_block_d //= 2
+            # One [BLOCK_S, BLOCK_D] fp32 tile of partials per program: all splits at once up to
+            # 8192 elements (64 registers a thread at 4 warps), one warp per 2048 elements.
+            merge_block_s = min(triton.next_power_of_2(splits), max(8192 // merge_block_d, 1))
+            self._merge_grid = (g.total_q, g.num_qo_heads, block_d // merge_block_d)
+            self._merge_constexprs = dict(
+                HEAD_DIM=g.head_dim, BLOCK_D=merge_block_d, SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed,
+                BLOCK_S=merge_block_s,
+            )
+            self._merge_options = dict(num_warps=max(1, min(4, merge_block_s * merge_block_d // 2048)))
+        self._direct: dict[tuple, _DirectLaunch] = {}
+        self._direct_broken = False
+
+    def __call__(
+        self, q: torch.Tensor, kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        out: torch.Tensor, bmm1_scale: float, bmm2_scale: float,
+    ) -> None:
+        """q/out: [B, Hq, D], [B, SQ, Hq, D] or packed [total_q, Hq, D]; kv_cache: a combined
+        [num_pages, 2, Hkv, P, D] cache or a (K, V) pair of [num_pages, Hkv, P, D], compact inside
+        a page (the page stride may be padded)."""
+        if isinstance(kv_cache, torch.Tensor):  # K and V of page i: [i, 0] and [i, 1]
+            cache_strides = kv_cache.stride()
+            k_ptr = kv_cache.data_ptr()
+            v_ptr = k_ptr + cache_strides[1] * kv_cache.element_size()
+            kv_strides = (cache_strides[0], cache_strides[2]) * 2
+        else:
+            k_cache, v_cache = kv_cache
+            k_ptr, v_ptr = k_cache.data_ptr(), v_cache.data_ptr()
+            kv_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+        packed = self.geometry.packed
+        varying = (*_q_strides(q, packed), *_q_strides(out, packed), *kv_strides)
+        q_ptr, out_ptr = q.data_ptr(), out.data_ptr()
+        scales = (float(bmm1_scale) * LOG2E, float(bmm2_scale))
+        pdl = pdl_enabled(self.device)
+        split_kernel, merge_kernel = _split_kv_kernel, _merge_kernel  # looked up per call: see above
+        key = (pdl, q_ptr % 16, k_ptr % 16, v_ptr % 16, out_ptr % 16, *varying)
+        direct = self._direct.get(key)
+        if direct is not None and direct.split_kernel is split_kernel and direct.merge_kernel is merge_kernel:
+            # Pointers as integers: the launcher takes them as they are (no data_ptr() call and
+            # no driver query per tensor); the plan's tensors' addresses were taken at plan time.
+            partials = self._partial_ptrs or (out_ptr, out_ptr)
+            try:
+                direct(
+                    (q_ptr, k_ptr, v_ptr, *self._plan_ptrs, out_ptr, *partials, *scales, *self._scalars,
+                     *varying, *self._tail_strides),
+                    (*partials, out_ptr, scales[1], self.config.num_kv_splits, *self._po_lse_strides,
+                     *varying[3:6]) if self._merge_grid is not None else None,
+                )
+                return
+            except TypeError:  # a triton whose compiled-kernel launcher takes other arguments:
+                self._direct_broken = True  # from now on the dispatch below (which relaunches both)
+                self._direct.clear()
+        k_cache, v_cache = kv_cache.unbind(1) if isinstance(kv_cache, torch.Tensor) else kv_cache
+        partial_o, partial_lse = self._partials
+        if partial_o is None:
+            partial_o = partial_lse = out
+        split_args = (q, k_cache, v_cache, *self._plan_tensors, out, partial_o, partial_lse, *scales,
+                      *self._scalars, *varying, *self._tail_strides)
+        merge_args = None
+        if self._merge_grid is not None:
+            merge_args = (partial_o, partial_lse, out, scales[1], self.config.num_kv_splits,
+                          *self._po_lse_strides, *varying[3:6])
+        launch_pdl = {"launch_pdl": True} if pdl else {}
+        split_compiled = split_kernel[self._grid](
+            *split_args, **self._split_constexprs, USE_PDL=pdl, **self._split_options, **launch_pdl,
+        )
+        merge_compiled = None
+        if merge_args is not None:
+            merge_compiled = merge_kernel[self._merge_grid](
+                *merge_args, **self._merge_constexprs, USE_PDL=pdl, **self._merge_options, **launch_pdl,
+            )
+        if self._direct_broken or not isinstance(split_kernel, JITFunction) or split_compiled is None:
+            return
+        if merge_args is not None and (not isinstance(merge_kernel, JITFunction) or merge_compiled is None):
+            return
+        if len(self._direct) >= self._MAX_ENTRIES:
+            self._direct.clear()
+        try:
+            self._direct[key] = _DirectLaunch(
+                split_kernel, split_compiled, self._grid, split_args,
+                {**self._split_constexprs, "USE_PDL": pdl}, merge_kernel, merge_compiled,
+                self._merge_grid, merge_args, {**self._merge_constexprs, "USE_PDL": pdl}, self.device,
+            )
+        except (AttributeError, KeyError, TypeError):  # a triton without these interfaces
+            self._direct_broken = True
+
+    def compile(self, q_shape: tuple[int, ...], q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                o_dtype: torch.dtype) -> None:
+        """Compile (without launching) the kernels a call with contiguous q and out of q_shape and a
+        compact cache at 16-byte aligned addresses runs: ``kernel.warmup`` with dtypes standing in
+        for those four tensors, and the plan's own tensors, scalars and constexprs."""
+        g = self.geometry
+        contiguous = [1]
+        for size in reversed(q_shape[1:]):
+            contiguous.insert(0, contiguous[0] * size)
+        io_strides = _io_strides(tuple(contiguous), g.packed)
+        page_elems = g.num_kv_heads * g.page_size * g.head_dim
+        kv_strides = (2 * page_elems, g.page_size * g.head_dim) * 2  # combined [num_pages, 2, Hkv, P, D]
+        partial_o, partial_lse = self._partials
+        if partial_o is None:
+            partial_o = partial_lse = o_dtype
+        pdl = pdl_enabled(self.device)
+        launch_pdl = {"launch_pdl": True} if pdl else {}
+        _split_kv_kernel.warmup(
+            q_dtype, kv_dtype, kv_dtype, *self._plan_tensors, o_dtype, partial_o, partial_lse, 1.0, 1.0,
+            *self._scalars, *io_strides, *io_strides, *kv_strides, *self._tail_strides,
+            grid=self._grid, **self._split_constexprs, USE_PDL=pdl, **self._split_options, **launch_pdl,
+        )
+        if self._merge_grid is not None:
+            _merge_kernel.warmup(
+                partial_o, partial_lse, o_dtype, 1.0, self.config.num_kv_splits, *self._po_lse_strides,
+                *io_strides, grid=self._merge_grid, **self._merge_constexprs, USE_PDL=pdl,
+                **self._merge_options, **launch_pdl,
+            )
+
+
+class _DirectLaunch:
+    """A plan's compiled kernels for one specialization key, launched without triton's dispatch.
+
+    ``CompiledKernel[grid]`` takes every kernel parameter in signature order, constexprs included
+    (their values are ignored by the launcher: they are baked into the binary), and the stream.
+    """
+
+    def __init__(self, split_kernel, split_compiled, grid, split_args, split_constexprs,
+                 merge_kernel, merge_compiled, merge_grid, merge_args, merge_constexprs, device):
+        self.split_kernel, self.merge_kernel = split_kernel, merge_kernel
+        self._split = split_compiled[grid]
+        self._split_tail = tuple(split_constexprs[n] for n in split_kernel.arg_names[len(split_args):])
+        self._merge = None
+        if merge_args is not None:
+            self._merge = merge_compiled[merge_grid]
+            self._merge_tail = tuple(merge_constexprs[n] for n in merge_kernel.arg_names[len(merge_args):])
+        self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self._stream = triton.runtime.driver.active.get_current_stream
+
+    def __call__(self, split_args: tuple, merge_args: tuple | None) -> None:
+        stream = self._stream(self._device_index)
+        self._split(*split_args, *self._split_tail, stream=stream)
+        if self._merge is not None:
+            self._merge(*merge_args, *self._merge_tail, stream=stream)
 
 
 def launch_decode(
@@ -457,72 +675,10 @@ def launch_decode(
     config: KernelConfig,
     bmm1_scale: float,
     bmm2_scale: float,
-    merge_total_q: int | None = None,
 ) -> None:
-    """Launch pass 1 (and the merge when config.num_kv_splits > 1). No host sync, no allocation.
-
-    merge_total_q: the query-token count the merge's tiling is chosen for (default
-    geometry.total_q); a warm-up launch on a smaller grid passes the plan's so it compiles the
-    same merge kernel the plan's runs use.
-
-    q/out: [B, Hq, D], [B, SQ, Hq, D] or packed [total_q, Hq, D]; k_cache/v_cache: views
-    [num_pages, Hkv, P, D] with compact inner strides (the page stride may be padded).
-    """
-    g = geometry
-    rows = g.group_size * g.seq_len_q
-    num_m_blocks = -(-rows // config.block_m)
-    transposed = transposed_products(k_cache.dtype, rows, config)
-    kernel_block_m = triton.next_power_of_2(rows) if transposed else config.block_m
-    block_d = triton.next_power_of_2(g.head_dim)
-    interp = interpreter_active()
-    sq_b, sq_t, sq_h = _q_strides(q, g.packed)
-    so_b, so_t, so_h = _q_strides(out, g.packed)
-    splits = config.num_kv_splits
-    if splits > 1:
-        partial_o, partial_lse = scratch
-        po_strides = (partial_o.stride(0), partial_o.stride(1), partial_o.stride(2))
-        lse_strides = (partial_lse.stride(0), partial_lse.stride(1))
-    else:
-        partial_o = partial_lse = out  # unused by the kernel when DIRECT_OUT
-        po_strides, lse_strides = (0, 0, 0), (0, 0)
-    indptr = qo_indptr if qo_indptr is not None else seq_lens  # unused unless PACKED
-    pdl = pdl_enabled(q.device)
-    grid = (g.batch_size * g.num_kv_heads * num_m_blocks, splits)
-    _split_kv_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, indptr,
-        out, partial_o, partial_lse,
-        float(bmm1_scale) * LOG2E, float(bmm2_scale), int(g.window_left), int(g.max_kv_len),
-        g.num_kv_heads, splits,
-        sq_b, sq_t, sq_h,
-        so_b, so_t, so_h,
-        k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1),
-        block_tables.stride(0),
-        *po_strides, *lse_strides,
-        GROUP_SIZE=g.group_size, HEAD_DIM=g.head_dim, BLOCK_D=block_d, PAGE_SIZE=g.page_size,
-        SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed, CAUSAL=g.causal, WINDOW=g.window_left >= 0,
-        NUM_M_BLOCKS=num_m_blocks, BLOCK_M=kernel_block_m, BLOCK_N=config.block_n, TRANSPOSED=transposed,
-        DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot, DOT_FP32=interp,
-        COMPUTE_DTYPE=compute_dtype(q.dtype, k_cache.dtype), NUM_STAGES=config.num_stages, USE_PDL=pdl,
-        num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}),
-    )
-    if splits > 1:
-        # Slice the head dim (down to 32 columns) until ~2 programs per SM share the partials:
-        # at B=1 one program per head would pull all splits' bytes through 32 SMs.
-        merge_rows = (merge_total_q if merge_total_q is not None else g.total_q) * g.num_qo_heads
-        merge_block_d = block_d
-        while merge_block_d > 32 and merge_rows * (block_d // merge_block_d) < 2 * _num_sms(q.device):
-            merge_block_d //= 2
-        # One [BLOCK_S, BLOCK_D] fp32 tile of partials per program: all splits at once up to
-        # 8192 elements (64 registers a thread at 4 warps), one warp per 2048 elements.
-        merge_block_s = min(triton.next_power_of_2(splits), max(8192 // merge_block_d, 1))
-        merge_warps = max(1, min(4, merge_block_s * merge_block_d // 2048))
-        merge_grid = (g.total_q, g.num_qo_heads, block_d // merge_block_d)
-        _merge_kernel[merge_grid](
-            partial_o, partial_lse, out, float(bmm2_scale), splits,
-            *po_strides, *lse_strides,
-            so_b, so_t, so_h,
-            HEAD_DIM=g.head_dim, BLOCK_D=merge_block_d, SEQ_LEN_Q=g.seq_len_q, PACKED=g.packed,
-            BLOCK_S=merge_block_s, USE_PDL=pdl,
-            num_warps=merge_warps, **({"launch_pdl": True} if pdl else {}),
-        )
+    """One launch through triton's dispatch (no plan to cache compiled kernels in); see
+    ``DecodeLaunch`` for the arguments."""
+    DecodeLaunch(
+        geometry, config, q.dtype, k_cache.dtype, block_tables, seq_lens, qo_indptr, scratch,
+        q.device,
+    )(q, (k_cache, v_cache), out, bmm1_scale, bmm2_scale)

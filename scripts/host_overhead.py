@@ -1,0 +1,149 @@
+"""Host (CPU) time of one eager call: where ``run`` spends it, against torch and bare triton.
+
+Eager callers (no CUDA graph) pay this on every layer of every decode step; under a graph it is
+gone. Each row times N back-to-back calls with ``time.perf_counter`` and synchronises only after
+the loop, so with a tiny problem (GPU time per call below the host's) and N launches below the
+driver's queue depth the loop's time is the host's. Median over repeats, us per call.
+
+Rows:
+  torch.add(out=)            a small torch op (reference for "one launch from Python")
+  triton empty kernel        a one-argument @triton.jit kernel launched as kernel[grid](x)
+  GPU time a call            the same call's GPU time (20 calls in one CUDA graph, replayed):
+                             the host rows below are the host's only while they exceed it
+  run (splits S)             BatchDecodePagedTSWrapper.run(q, cache, out=out), the public call
+  run, out=None              the same, allocating the output
+  run, validation only       the same with the plan's launches replaced by nothing
+  plan's DecodeLaunch        the plan's launcher alone (both kernels when S > 1): compiled kernels
+                             launched directly after the first call
+  launch_decode              the same launches through triton's dispatch (kernel[grid](...)) on
+                             every call, as ``run`` launched before the plan kept a launcher
+  plan                       BatchDecodePagedTSWrapper.plan(...) again for the same shape (fixed
+                             lengths: one host read, so this row includes a synchronisation)
+  plan, no warm-up           the same with the warm-up launch skipped
+
+Rows that need the plan's launcher are left out when the script runs against an older tree
+(copy it into that tree's scripts/ folder and run it from there).
+
+Usage: python scripts/host_overhead.py [--calls 300] [--repeats 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+import tsdecode  # noqa: E402
+from tsdecode import api as api_module  # noqa: E402
+from tuner.measure import graph_time_us  # noqa: E402
+from tsdecode.kernels import decode as decode_module  # noqa: E402
+
+
+@triton.jit
+def _empty_kernel(x_ptr):
+    pass
+
+
+def _host_us(fn, calls: int, repeats: int) -> float:
+    """Median host time per call (us) of ``fn`` over ``repeats`` loops of ``calls`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    per_call = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(per_call)
+
+
+def _plan_args(num_kv_splits: int):
+    dev = torch.device("cuda")
+    batch, hq, hkv, d, p, kv_len = 1, 32, 8, 128, 16, 64
+    pages = batch * kv_len // p
+    block_tables = torch.arange(pages, device=dev, dtype=torch.int32).reshape(batch, -1)
+    seq_lens = torch.full((batch,), kv_len, device=dev, dtype=torch.int32)
+    config = tsdecode.KernelConfig(block_n=16, block_m=16, num_kv_splits=num_kv_splits, num_warps=1,
+                                   num_stages=3)
+    return (block_tables, seq_lens, hq, hkv, d, p), dict(q_data_type=torch.bfloat16, config=config)
+
+
+def _planned(num_kv_splits: int):
+    plan_args, plan_kw = _plan_args(num_kv_splits)
+    block_tables, _, hq, hkv, d, p = plan_args
+    cache = torch.randn(block_tables.numel(), 2, hkv, p, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(block_tables.shape[0], hq, d, device="cuda", dtype=torch.bfloat16)
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan(*plan_args, **plan_kw)
+    return w, q, cache, torch.empty_like(q)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=9)
+    args = ap.parse_args()
+    n, r = args.calls, args.repeats
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+          f"python {sys.version.split()[0]}; {n} calls x {r} repeats, median host us per call")
+    a = torch.randn(4096, device="cuda")
+    b = torch.randn_like(a)
+    c = torch.empty_like(a)
+    rows = [("torch.add(out=)", _host_us(lambda: torch.add(a, b, out=c), n, r)),
+            ("triton empty kernel", _host_us(lambda: _empty_kernel[(1,)](a), n, r))]
+    for splits in (1, 4):
+        w, q, cache, out = _planned(splits)
+        plan = w._plan
+        gpu_us = graph_time_us([lambda: w.run(q, cache, out=out)] * 20, replay_ms=30)
+        rows.append((f"GPU time a call, graph of 20 (splits {splits})", gpu_us))
+        rows.append((f"run (splits {splits})", _host_us(lambda: w.run(q, cache, out=out), n, r)))
+        rows.append((f"run, out=None (splits {splits})", _host_us(lambda: w.run(q, cache), n, r)))
+        plan_args, plan_kw = _plan_args(splits)
+        plan_calls = max(20, n // 10)
+        rows.append((f"plan (splits {splits})", _host_us(lambda: w.plan(*plan_args, **plan_kw), plan_calls, r)))
+        real_warm_up = api_module._warm_up
+        api_module._warm_up = lambda plan_: None
+        try:
+            rows.append((f"plan, no warm-up (splits {splits})",
+                         _host_us(lambda: w.plan(*plan_args, **plan_kw), plan_calls, r)))
+        finally:
+            api_module._warm_up = real_warm_up
+        w.plan(*plan_args, **plan_kw)
+        plan = w._plan
+        if not hasattr(plan, "launch"):  # an older tree: only the public rows
+            continue
+        w._plan = dataclasses.replace(plan, launch=lambda *a_: None)
+        rows.append((f"run, validation only (splits {splits})", _host_us(lambda: w.run(q, cache, out=out), n, r)))
+        w._plan = plan
+        k, v = cache[:, 0], cache[:, 1]
+        g, cfg = plan.geometry, plan.selected.kernel_config
+        scale = g.head_dim ** -0.5
+        rows.append((f"plan's DecodeLaunch (splits {splits})",
+                     _host_us(lambda: plan.launch(q, cache, out, scale, 1.0), n, r)))
+
+        def launch():
+            decode_module.launch_decode(q, k, v, plan.block_tables, plan.seq_lens, plan.qo_indptr, out,
+                                        plan.scratch, g, cfg, scale, 1.0)
+
+        rows.append((f"launch_decode (splits {splits})", _host_us(launch, n, r)))
+        ref = w.run(q, cache).clone()
+        out.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        assert torch.equal(ref, out), "launch_decode and run disagree"  # the rows timed one op
+    width = max(len(name) for name, _ in rows)
+    for name, us in rows:
+        print(f"  {name:<{width}}  {us:7.2f} us")
+
+
+if __name__ == "__main__":
+    main()
