@@ -9,7 +9,7 @@ import torch
 
 import tsdecode
 from tsdecode import KernelConfig
-from cases import FP8, Case, DEVICE, build, plan_wrapper
+from cases import FP8, Case, DEVICE, build, plan_wrapper, reference
 
 BF16 = torch.bfloat16
 
@@ -289,3 +289,33 @@ def test_out_must_not_overlap_any_input(target):
     assert w.run(q, cache, out=past) is past
     ref = w.run(q, cache)
     assert torch.isfinite(past.float()).all() and torch.equal(past, ref)
+
+
+@pytest.mark.parametrize("bind", ["unbound", "bound, max_kv_len", "bound, longest"])
+@pytest.mark.parametrize("bad", [-1, 10**6])
+@pytest.mark.parametrize("covered", [True, False])
+def test_page_ids_are_checked_over_exactly_the_covered_columns(bind, bad, covered):
+    """The plan's page-ID range covers each row's live pages (unbound lengths) or the first
+    ceil(max_kv_len / P) columns of every row (bound): a bad ID in the last covered column of a
+    row is refused, one in the first column past it is never read and accepted."""
+    case = Case(lens=(20, 40, 33))  # P=16: 2, 3 and 3 live pages; C = 4
+    inp = build(case)
+    bt = inp.block_tables
+    for row, n in enumerate(case.lens):
+        bt[row, -(-n // 16):] = 0  # valid IDs past the live pages
+    last = (2 if bind != "unbound" else 1)  # row 0: bound plans cover ceil(40 / 16) = 3 columns
+    bt[0, last if covered else last + 1] = bad
+    kw = {} if bind == "unbound" else dict(bind_seq_lens=True)
+    if bind == "bound, max_kv_len":
+        kw["max_kv_len"] = 40
+
+    def plan_and_run():
+        w = plan(inp, **kw)
+        return w.run(inp.q, inp.cache)
+
+    if covered:
+        with pytest.raises(ValueError, match="page ID"):
+            plan_and_run()
+    else:
+        out = plan_and_run()
+        assert torch.allclose(out.float(), reference(case, inp).float(), rtol=2e-2, atol=2e-2)

@@ -48,26 +48,27 @@ def _plan_host_values(
     """One device-to-host read: (seq_lens, qo_indptr, min page ID, max page ID).
 
     Page IDs are reduced on the device over the columns the plan covers: each row's live pages,
-    or the first ceil(max_kv_len / P) columns when lengths are bound.
+    or the first ceil(max_kv_len / P) columns when lengths are bound. The min and max are only
+    meaningful when every length is in [1, C*P] (the caller checks the lengths first).
     """
-    batch, cols = block_tables.shape
-    lens = seq_lens.to(torch.int64).clamp(0, cols * page_size)
+    cols = block_tables.shape[1]
     if bind_seq_lens:
-        cover = lens.max() if max_kv_len is None else torch.tensor(
-            min(max_kv_len, cols * page_size), device=lens.device
-        )
-        pages_per_row = ((cover + page_size - 1) // page_size).expand(batch)
+        if max_kv_len is None:
+            pages = (seq_lens.max() + (page_size - 1)) // page_size  # a 0-d tensor
+        else:
+            pages = -(-min(max_kv_len, cols * page_size) // page_size)
+        live = torch.arange(cols, device=block_tables.device) < pages  # [C], every row
     else:
-        pages_per_row = (lens + page_size - 1) // page_size
-    live = torch.arange(cols, device=block_tables.device)[None, :] < pages_per_row[:, None]
-    # int32 temporaries like the table itself (an int64 [B, C] copy would double a large table)
-    big = torch.iinfo(torch.int32).max
-    min_page = torch.where(live, block_tables, big).min().reshape(1).to(torch.int64)
-    max_page = torch.where(live, block_tables, -1).max().reshape(1).to(torch.int64)
-    parts = [seq_lens.to(torch.int64), min_page, max_page]
+        pages_per_row = (seq_lens + (page_size - 1)) // page_size
+        live = torch.arange(cols, device=block_tables.device)[None, :] < pages_per_row[:, None]
+    # Column 0 is live in every row of a valid length, so a dead entry can take its row's first
+    # entry without changing the min or max (int32 throughout, like the table itself).
+    lo, hi = torch.aminmax(torch.where(live, block_tables, block_tables[:, :1]))
+    parts = [seq_lens, lo.reshape(1), hi.reshape(1)]
     if qo_indptr is not None:
-        parts.append(qo_indptr.to(torch.int64))
+        parts.append(qo_indptr)
     host = torch.cat(parts).tolist()  # the plan's single host sync
+    batch = seq_lens.shape[0]
     lens_host = host[:batch]
     min_id, max_id = host[batch], host[batch + 1]
     indptr_host = host[batch + 2 :] if qo_indptr is not None else None
