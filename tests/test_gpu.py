@@ -279,15 +279,18 @@ def test_shared_memory_per_sm_is_the_gpus_own():
         assert props.shared_memory_per_multiprocessor == 233472
 
 
-@pytest.mark.parametrize("splits,separate", [(1, False), (5, False), (5, True)])
-def test_runs_launch_compiled_kernels_directly(monkeypatch, splits, separate):
+@pytest.mark.parametrize("splits,separate,extra", [
+    (1, False, {}), (5, False, {}), (5, True, {}),
+    (5, False, dict(mode="packed", seq_len_q=4, q_lens=(1, 4, 2), mask_type="causal", kv_dtype=FP8)),
+])
+def test_runs_launch_compiled_kernels_directly(monkeypatch, splits, separate, extra):
     """After a plan's first run, run() launches the compiled kernels without triton's dispatch;
     the results match the reference for new scales (floats are not specialised) and for inputs
     with other alignments and strides, which go through the dispatch once (a variant triton
     compiles separately) and directly afterwards."""
     case = Case(lens=(100, 900, 17), num_qo_heads=32, num_kv_heads=8, head_dim=128, separate=separate,
                 page_stride_pad=8, config=KernelConfig(block_n=16, num_kv_splits=splits, num_warps=1,
-                                                       num_stages=3))
+                                                       num_stages=3), **extra)
     inp = build(case)
     w = plan_wrapper(case, inp)
     launch = w._plan.launch
