@@ -294,10 +294,8 @@ def test_runs_launch_compiled_kernels_directly(monkeypatch, splits, separate, ex
     inp = build(case)
     w = plan_wrapper(case, inp)
     launch = w._plan.launch
-    dispatched = []
-    for fn in (decode._split_kv_kernel, decode._merge_kernel):
-        real_run = fn.run
-        monkeypatch.setattr(fn, "run", lambda *a, _real=real_run, _fn=fn, **kw: dispatched.append(_fn) or _real(*a, **kw))
+    assert len(launch._direct) == 1  # plan's entry for a compact combined cache: not these inputs
+    dispatched = _count_dispatches(monkeypatch)
 
     def run_checked(q, out, bmm1_scale=None, bmm2_scale=1.0, expect_dispatch=False):
         c = dataclasses.replace(case, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale)
@@ -310,7 +308,7 @@ def test_runs_launch_compiled_kernels_directly(monkeypatch, splits, separate, ex
 
     out = poisoned_out(case, inp)
     run_checked(inp.q, out, expect_dispatch=True)  # the plan's first run builds the direct entry
-    assert len(launch._direct) == 1
+    assert len(launch._direct) == 2
     run_checked(inp.q, out)
     run_checked(inp.q, out, bmm1_scale=0.3, bmm2_scale=-1.7)
     # q 2 bytes off a 16-byte boundary, out with a padded head stride: new specialisations.
@@ -322,7 +320,44 @@ def test_runs_launch_compiled_kernels_directly(monkeypatch, splits, separate, ex
     run_checked(inp.q, out_wide, expect_dispatch=True)
     run_checked(inp.q, out_wide, bmm2_scale=0.5)
     run_checked(inp.q, out)
-    assert len(launch._direct) == 3
+    assert len(launch._direct) == 4
+
+
+def _count_dispatches(monkeypatch) -> list:
+    """Kernels launched through triton's dispatch (``kernel[grid](...)``) from now on."""
+    dispatched = []
+    for fn in (decode._split_kv_kernel, decode._merge_kernel):
+        real_run = fn.run
+        monkeypatch.setattr(fn, "run", lambda *a, _real=real_run, _fn=fn, **kw: dispatched.append(_fn) or _real(*a, **kw))
+    return dispatched
+
+
+@pytest.mark.parametrize("splits,extra", [
+    (1, {}), (6, {}), (6, dict(mode="packed", seq_len_q=4, q_lens=(1, 4, 2), mask_type="causal", kv_dtype=FP8)),
+])
+def test_first_run_after_plan_launches_directly(monkeypatch, splits, extra):
+    """plan() keeps the kernels it compiled for contiguous q/out and a compact combined cache, so a
+    plan's first run with such inputs (and a graph captured right after plan) launches them
+    directly; results match the reference."""
+    case = Case(lens=(100, 900, 17), num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                config=KernelConfig(block_n=16, num_kv_splits=splits, num_warps=1, num_stages=3), **extra)
+    inp = build(case)
+    ref = reference(case, inp)
+    w, w2 = plan_wrapper(case, inp), plan_wrapper(case, inp)
+    dispatched = _count_dispatches(monkeypatch)  # (plan's compile goes through it too)
+    out = poisoned_out(case, inp)
+    w.run(inp.q, inp.cache, out=out)
+    torch.cuda.synchronize()
+    assert not dispatched
+    check(case, out, ref)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        w2.run(inp.q, inp.cache, out=out)
+    out.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    assert not dispatched
+    check(case, out, ref)
 
 
 def test_direct_launch_falls_back_to_triton_dispatch(monkeypatch):

@@ -591,17 +591,27 @@ class DecodeLaunch:
             merge_compiled = merge_kernel[self._merge_grid](
                 *merge_args, **self._merge_constexprs, USE_PDL=pdl, **self._merge_options, **launch_pdl,
             )
-        if self._direct_broken or not isinstance(split_kernel, JITFunction) or split_compiled is None:
+        self._remember(key, pdl, split_kernel, split_compiled, len(split_args), merge_kernel, merge_compiled,
+                       None if merge_args is None else len(merge_args))
+
+    def _remember(self, key, pdl, split_kernel, split_compiled, num_split_args, merge_kernel, merge_compiled,
+                  num_merge_args) -> None:
+        """Keep the compiled kernels of ``key`` for direct launches (when they are plain compiled
+        ``JITFunction`` kernels: not substitutes, not the interpreter's, not pending compiles)."""
+        def usable(kernel, compiled):
+            return isinstance(kernel, JITFunction) and compiled is not None and not hasattr(compiled, "result")
+
+        if self._direct_broken or not usable(split_kernel, split_compiled):
             return
-        if merge_args is not None and (not isinstance(merge_kernel, JITFunction) or merge_compiled is None):
+        if num_merge_args is not None and not usable(merge_kernel, merge_compiled):
             return
         if len(self._direct) >= self._MAX_ENTRIES:
             self._direct.clear()
         try:
             self._direct[key] = _DirectLaunch(
-                split_kernel, split_compiled, self._grid, split_args,
+                split_kernel, split_compiled, self._grid, num_split_args,
                 {**self._split_constexprs, "USE_PDL": pdl}, merge_kernel, merge_compiled,
-                self._merge_grid, merge_args, {**self._merge_constexprs, "USE_PDL": pdl}, self.device,
+                self._merge_grid, num_merge_args, {**self._merge_constexprs, "USE_PDL": pdl}, self.device,
             )
         except (AttributeError, KeyError, TypeError):  # a triton without these interfaces
             self._direct_broken = True
@@ -610,7 +620,9 @@ class DecodeLaunch:
                 o_dtype: torch.dtype) -> None:
         """Compile (without launching) the kernels a call with contiguous q and out of q_shape and a
         compact cache at 16-byte aligned addresses runs: ``kernel.warmup`` with dtypes standing in
-        for those four tensors, and the plan's own tensors, scalars and constexprs."""
+        for those four tensors, and the plan's own tensors, scalars and constexprs. The compiled
+        kernels are kept for such calls with a compact combined cache (the usual case), so even a
+        plan's first run of that kind launches directly."""
         g = self.geometry
         contiguous = [1]
         for size in reversed(q_shape[1:]):
@@ -623,17 +635,26 @@ class DecodeLaunch:
             partial_o = partial_lse = o_dtype
         pdl = pdl_enabled(self.device)
         launch_pdl = {"launch_pdl": True} if pdl else {}
-        _split_kv_kernel.warmup(
-            q_dtype, kv_dtype, kv_dtype, *self._plan_tensors, o_dtype, partial_o, partial_lse, 1.0, 1.0,
-            *self._scalars, *io_strides, *io_strides, *kv_strides, *self._tail_strides,
-            grid=self._grid, **self._split_constexprs, USE_PDL=pdl, **self._split_options, **launch_pdl,
+        split_kernel, merge_kernel = _split_kv_kernel, _merge_kernel
+        split_args = (q_dtype, kv_dtype, kv_dtype, *self._plan_tensors, o_dtype, partial_o, partial_lse,
+                      1.0, 1.0, *self._scalars, *io_strides, *io_strides, *kv_strides, *self._tail_strides)
+        split_compiled = split_kernel.warmup(
+            *split_args, grid=self._grid, **self._split_constexprs, USE_PDL=pdl, **self._split_options,
+            **launch_pdl,
         )
+        merge_args = merge_compiled = None
         if self._merge_grid is not None:
-            _merge_kernel.warmup(
-                partial_o, partial_lse, o_dtype, 1.0, self.config.num_kv_splits, *self._po_lse_strides,
-                *io_strides, grid=self._merge_grid, **self._merge_constexprs, USE_PDL=pdl,
+            merge_args = (partial_o, partial_lse, o_dtype, 1.0, self.config.num_kv_splits,
+                          *self._po_lse_strides, *io_strides)
+            merge_compiled = merge_kernel.warmup(
+                *merge_args, grid=self._merge_grid, **self._merge_constexprs, USE_PDL=pdl,
                 **self._merge_options, **launch_pdl,
             )
+        # The key a call computes for those tensors (addresses 0 mod 16; V = K + Hkv*P*D elements).
+        v_offset = g.num_kv_heads * g.page_size * g.head_dim * kv_dtype.itemsize
+        key = (pdl, 0, 0, v_offset % 16, 0, *io_strides, *io_strides, *kv_strides)
+        self._remember(key, pdl, split_kernel, split_compiled, len(split_args), merge_kernel, merge_compiled,
+                       None if merge_args is None else len(merge_args))
 
 
 class _DirectLaunch:
@@ -643,15 +664,15 @@ class _DirectLaunch:
     (their values are ignored by the launcher: they are baked into the binary), and the stream.
     """
 
-    def __init__(self, split_kernel, split_compiled, grid, split_args, split_constexprs,
-                 merge_kernel, merge_compiled, merge_grid, merge_args, merge_constexprs, device):
+    def __init__(self, split_kernel, split_compiled, grid, num_split_args, split_constexprs,
+                 merge_kernel, merge_compiled, merge_grid, num_merge_args, merge_constexprs, device):
         self.split_kernel, self.merge_kernel = split_kernel, merge_kernel
         self._split = split_compiled[grid]
-        self._split_tail = tuple(split_constexprs[n] for n in split_kernel.arg_names[len(split_args):])
+        self._split_tail = tuple(split_constexprs[n] for n in split_kernel.arg_names[num_split_args:])
         self._merge = None
-        if merge_args is not None:
+        if num_merge_args is not None:
             self._merge = merge_compiled[merge_grid]
-            self._merge_tail = tuple(merge_constexprs[n] for n in merge_kernel.arg_names[len(merge_args):])
+            self._merge_tail = tuple(merge_constexprs[n] for n in merge_kernel.arg_names[num_merge_args:])
         self._device_index = device.index if device.index is not None else torch.cuda.current_device()
         self._stream = triton.runtime.driver.active.get_current_stream
 
