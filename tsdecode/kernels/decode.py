@@ -463,7 +463,8 @@ class DecodeLaunch:
     scripts/host_overhead.py). The direct path is taken only while the module's kernels are the
     ``JITFunction`` objects the entry was built from (scripts substitute them to measure variants)
     and never under the interpreter. ``compile`` builds the kernels a plan's runs need without
-    launching anything.
+    launching anything and keeps them under the key of contiguous q/out and a compact combined
+    cache, so such runs launch directly from the first.
     """
 
     _MAX_ENTRIES = 16  # keys remembered per plan; past it they are dropped (triton's cache keeps the kernels)
