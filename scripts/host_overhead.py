@@ -3,7 +3,7 @@
 Eager callers (no CUDA graph) pay this on every layer of every decode step; under a graph it is
 gone. Each row times N back-to-back calls with ``time.perf_counter`` and synchronises only after
 the loop, so with a tiny problem (GPU time per call below the host's) and N launches below the
-driver's queue depth the loop's time is the host's. Median over repeats, us per call.
+driver's queue depth the loop's time is the host's. Median and minimum over repeats, us per call.
 
 Rows:
   torch.add(out=)            a small torch op (reference for "one launch from Python")
@@ -20,6 +20,13 @@ Rows:
   plan                       BatchDecodePagedTSWrapper.plan(...) again for the same shape (fixed
                              lengths: one host read, so this row includes a synchronisation)
   plan, no warm-up           the same with the warm-up launch skipped
+  plan, new lengths          plan(...) cycling through four lengths tensors (longest 64, 50, 33,
+                             17): a new max_kv_len every call, as at every decode step
+  plan, not shared           plan(...) with the kernels plans share forgotten before each call
+                             (``clear_compiled_cache``): the warm-up goes through triton's warmup
+  plan's compile step        DecodeLaunch.compile alone (plan's last step, no device work), with
+                             the kernels plans share ("shared") or forgotten first ("warmup")
+  one-shot op                batch_decode_with_paged_kv_cache(q, cache, ..., out=out)
 
 Rows that need the plan's launcher are left out when the script runs against an older tree
 (copy it into that tree's scripts/ folder and run it from there).
@@ -52,8 +59,9 @@ def _empty_kernel(x_ptr):
     pass
 
 
-def _host_us(fn, calls: int, repeats: int) -> float:
-    """Median host time per call (us) of ``fn`` over ``repeats`` loops of ``calls`` calls."""
+def _host_us(fn, calls: int, repeats: int) -> tuple[float, float]:
+    """(median, min) host time per call (us) of ``fn`` over ``repeats`` loops of ``calls`` calls
+    (the minimum is the call's own cost with the least of the machine's noise)."""
     fn()
     torch.cuda.synchronize()
     per_call = []
@@ -63,7 +71,7 @@ def _host_us(fn, calls: int, repeats: int) -> float:
             fn()
         per_call.append((time.perf_counter() - start) / calls * 1e6)
         torch.cuda.synchronize()
-    return statistics.median(per_call)
+    return statistics.median(per_call), min(per_call)
 
 
 def _plan_args(num_kv_splits: int):
@@ -94,7 +102,7 @@ def main() -> None:
     args = ap.parse_args()
     n, r = args.calls, args.repeats
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"python {sys.version.split()[0]}; {n} calls x {r} repeats, median host us per call")
+          f"python {sys.version.split()[0]}; {n} calls x {r} repeats, host us per call: median (min)")
     a = torch.randn(4096, device="cuda")
     b = torch.randn_like(a)
     c = torch.empty_like(a)
@@ -104,12 +112,30 @@ def main() -> None:
         w, q, cache, out = _planned(splits)
         plan = w._plan
         gpu_us = graph_time_us([lambda: w.run(q, cache, out=out)] * 20, replay_ms=30)
-        rows.append((f"GPU time a call, graph of 20 (splits {splits})", gpu_us))
+        rows.append((f"GPU time a call, graph of 20 (splits {splits})", (gpu_us, None)))
         rows.append((f"run (splits {splits})", _host_us(lambda: w.run(q, cache, out=out), n, r)))
         rows.append((f"run, out=None (splits {splits})", _host_us(lambda: w.run(q, cache), n, r)))
         plan_args, plan_kw = _plan_args(splits)
         plan_calls = max(20, n // 10)
         rows.append((f"plan (splits {splits})", _host_us(lambda: w.plan(*plan_args, **plan_kw), plan_calls, r)))
+        lens_cycle = [torch.full_like(plan_args[1], n) for n in (64, 50, 33, 17)]
+
+        def plan_new_lengths():
+            lens_cycle.append(lens_cycle.pop(0))
+            w.plan(plan_args[0], lens_cycle[0], *plan_args[2:], **plan_kw)
+
+        rows.append((f"plan, new lengths (splits {splits})", _host_us(plan_new_lengths, plan_calls, r)))
+        clear = getattr(decode_module, "clear_compiled_cache", lambda: None)  # older trees: none
+
+        def plan_not_shared():
+            clear()
+            w.plan(*plan_args, **plan_kw)
+
+        rows.append((f"plan, not shared (splits {splits})", _host_us(plan_not_shared, plan_calls, r)))
+        if splits == 1:  # the one-shot op picks its config itself; one row is enough
+            rows.append(("one-shot op", _host_us(
+                lambda: tsdecode.batch_decode_with_paged_kv_cache(q, cache, plan_args[0], plan_args[1], out=out),
+                plan_calls, r)))
         real_warm_up = api_module._warm_up
         api_module._warm_up = lambda plan_: None
         try:
@@ -130,6 +156,16 @@ def main() -> None:
         rows.append((f"plan's DecodeLaunch (splits {splits})",
                      _host_us(lambda: plan.launch(q, cache, out, scale, 1.0), n, r)))
 
+        compile_args = (plan.q_shape, plan.q_dtype, plan.kv_dtype, plan.o_dtype)
+        rows.append((f"plan's compile step, shared (splits {splits})",
+                     _host_us(lambda: plan.launch.compile(*compile_args), n, r)))
+
+        def compile_through_warmup():
+            clear()
+            plan.launch.compile(*compile_args)
+
+        rows.append((f"plan's compile step, warmup (splits {splits})", _host_us(compile_through_warmup, n, r)))
+
         def launch():
             decode_module.launch_decode(q, k, v, plan.block_tables, plan.seq_lens, plan.qo_indptr, out,
                                         plan.scratch, g, cfg, scale, 1.0)
@@ -141,8 +177,8 @@ def main() -> None:
         torch.cuda.synchronize()
         assert torch.equal(ref, out), "launch_decode and run disagree"  # the rows timed one op
     width = max(len(name) for name, _ in rows)
-    for name, us in rows:
-        print(f"  {name:<{width}}  {us:7.2f} us")
+    for name, (median, least) in rows:
+        print(f"  {name:<{width}}  {median:7.2f} us" + (f" ({least:7.2f})" if least is not None else ""))
 
 
 if __name__ == "__main__":

@@ -209,3 +209,38 @@ def test_config_reports_source_and_adjustments():
     check(case, w.run(inp.q, inp.cache), reference(case, inp))
     w2 = plan_wrapper(dataclasses.replace(case, config=None), inp)
     assert w2.config.source in ("heuristic", "table")
+
+
+def test_specialization_key_is_as_fine_as_triton():
+    """Plans share compiled kernels by ``_specialization_key``: it must tell apart every argument
+    triton compiles variants for (dtype, address mod 16, integer values) and ignore only what
+    triton ignores (floats, the value of an integer the kernel does not specialise)."""
+    from triton.runtime.jit import JITFunction
+
+    # The split kernel as triton compiles it (under the interpreter the module holds another type).
+    kernel = JITFunction(decode._split_kv_kernel.fn, do_not_specialize=["max_kv_len"])
+    names = kernel.arg_names
+    base = torch.zeros(64, dtype=torch.int32)
+    args = dict(q_ptr=BF16, k_ptr=FP8, v_ptr=FP8, block_tables_ptr=base[:8], seq_lens_ptr=base[8:12],
+                qo_indptr_ptr=base[8:12], out_ptr=BF16, partial_o_ptr=torch.zeros(4), partial_lse_ptr=torch.zeros(4),
+                qk_scale_log2=0.125, bmm2_scale=1.0, window_left=-1, max_kv_len=8192, num_kv_heads=8,
+                num_kv_splits=6)
+
+    def key(jit=kernel, **changes):
+        values = {**args, **changes}
+        return decode._specialization_key(jit, tuple(values[n] for n in names[: len(values)]))
+
+    same = key()
+    assert key(max_kv_len=8191) == key(max_kv_len=1) == same  # unspecialised (32-bit either way)
+    assert key(max_kv_len=2**33) != same and key(max_kv_len=2**33) == key(max_kv_len=2**40)
+    assert key(max_kv_len=2**63) != key(max_kv_len=2**40)
+    assert key(qk_scale_log2=3.0, bmm2_scale=-2.0) == same
+    assert key(seq_lens_ptr=base[9:13]) != same  # 4 bytes off a 16-byte boundary
+    assert key(seq_lens_ptr=base[12:16]) == same  # 48 bytes: still aligned
+    assert key(block_tables_ptr=base[:8].to(torch.int64)) != same
+    assert key(q_ptr=FP16) != same and key(k_ptr=BF16, v_ptr=BF16) != same
+    assert key(num_kv_heads=16) != same and key(num_kv_splits=16) != same and key(window_left=0) != same
+    assert key(num_kv_splits=object()) is None  # an argument it cannot key: no sharing
+    # Without the decorator's argument every integer counts.
+    plain = JITFunction(decode._split_kv_kernel.fn)
+    assert key(plain, max_kv_len=8191) != key(plain)

@@ -228,6 +228,7 @@ def test_plan_compiles_every_kernel_run_uses(lens, splits, extra):
     inp = build(case)
     for fn in (decode._split_kv_kernel, decode._merge_kernel):
         fn.device_caches.clear()  # kernels other tests compiled in this process must not count
+    decode.clear_compiled_cache()  # ... nor kernels earlier plans share
     w = plan_wrapper(case, inp)
     before = _compiled_kernel_count()
     assert before >= (2 if splits > 1 else 1)
@@ -242,11 +243,13 @@ def test_plan_compiles_every_kernel_run_uses(lens, splits, extra):
 @pytest.mark.parametrize("splits", [1, 6])
 def test_tensors_on_a_gpu_that_is_not_the_current_one(splits):
     """Triton launches on the current device and stream; with every tensor on cuda:1 while cuda:0
-    is current, plan (warm-up launch), run, a graph captured on cuda:1 and the one-shot op must
-    still compute on cuda:1 and match the reference."""
+    is current, plan (compile step), run, a graph captured on cuda:1 and the one-shot op must
+    still compute on cuda:1 and match the reference, also after a plan of the same problem on
+    cuda:0 (plans share compiled kernels per device)."""
     case = Case(lens=(100, 900, 17), num_qo_heads=32, num_kv_heads=8, head_dim=128,
                 config=KernelConfig(block_n=32, num_kv_splits=splits, num_warps=4, num_stages=2))
     dev1 = torch.device("cuda", 1)
+    plan_wrapper(case, build(case, device=torch.device("cuda", 0)))  # cuda:0's kernels are not cuda:1's
     with torch.cuda.device(0):
         inp = build(case, device=dev1)
         ref = reference(case, inp)
@@ -358,6 +361,77 @@ def test_first_run_after_plan_launches_directly(monkeypatch, splits, extra):
     torch.cuda.synchronize()
     assert not dispatched
     check(case, out, ref)
+
+
+def test_plans_share_compiled_kernels(monkeypatch):
+    """A plan whose kernels an earlier plan compiled (same config; another batch size and longest
+    length, as at the next decode step) calls no warm-up and no dispatch, and its first runs match
+    the reference; another config or a bound lengths tensor at another alignment compiles its own."""
+    assert "max_kv_len" in decode._split_kv_kernel.do_not_specialize
+    config = KernelConfig(block_n=16, num_kv_splits=6, num_warps=1, num_stages=3)
+    first = Case(lens=(1024, 512), num_qo_heads=32, num_kv_heads=8, head_dim=128, config=config)
+    plan_wrapper(first, build(first))
+    warmups = []
+    for fn in (decode._split_kv_kernel, decode._merge_kernel):
+        real = fn.warmup
+        monkeypatch.setattr(fn, "warmup", lambda *a, _real=real, _fn=fn, **kw: warmups.append(_fn) or _real(*a, **kw))
+    dispatched = _count_dispatches(monkeypatch)
+    # max_kv_len 1000 (not a multiple of 16); the block table keeps its width (an engine's does):
+    # its row stride is an integer argument triton specialises on.
+    step = dataclasses.replace(first, lens=(1000, 33, 700, 5), extra_cols=first.extra_cols + 1)
+    inp = build(step)
+    w = plan_wrapper(step, inp)
+    assert not warmups
+    out = poisoned_out(step, inp)
+    w.run(inp.q, inp.cache, out=out)
+    torch.cuda.synchronize()
+    assert not dispatched
+    check(step, out, reference(step, inp))
+    other = dataclasses.replace(step, config=dataclasses.replace(config, num_kv_splits=5))
+    plan_wrapper(other, inp)
+    assert warmups == [decode._split_kv_kernel, decode._merge_kernel]
+    odd_lens = torch.empty(len(step.lens) + 1, dtype=torch.int32, device="cuda")[1:]  # 4 bytes off
+    odd_lens.copy_(inp.seq_lens)
+    # Bound lengths validate max_kv_len's columns in every row: valid IDs past each row's pages.
+    table = torch.where(inp.block_tables < inp.num_pages, inp.block_tables, 0)
+    assert table.stride() == inp.block_tables.stride()
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan(table, odd_lens, 32, 8, 128, step.page_size, q_data_type=step.dtype, config=config,
+           bind_seq_lens=True)
+    assert len(warmups) == 4
+    out = poisoned_out(step, inp)
+    w.run(inp.q, inp.cache, out=out)
+    torch.cuda.synchronize()
+    check(step, out, reference(step, inp))
+
+
+@pytest.mark.parametrize("extra", [{}, dict(mode="packed", seq_len_q=4, q_lens=(1, 4, 2), mask_type="causal")])
+def test_oneshot_op_launches_shared_kernels_directly(monkeypatch, extra):
+    """The one-shot op finds the kernels an earlier call compiled, so a later call (other requests,
+    same config) launches them without triton's dispatch (or warm-up); results match the reference."""
+    first = Case(lens=(100, 900, 17), num_qo_heads=32, num_kv_heads=8, head_dim=128, **extra)
+    run_oneshot(first, build(first))
+    dispatched = _count_dispatches(monkeypatch)
+    later = dataclasses.replace(first, lens=(900, 17, 100))  # same longest and spread: same config
+    inp = build(later)
+    out = run_oneshot(later, inp, out=poisoned_out(later, inp))
+    torch.cuda.synchronize()
+    assert not dispatched
+    check(later, out, reference(later, inp))
+
+
+def test_oneshot_op_compiles_no_unused_variant(monkeypatch):
+    """A one-shot call whose inputs the plan's compile step does not assume (a padded page stride)
+    skips that step (it would compile a variant no launch uses) and goes through the dispatch."""
+    case = Case(lens=(100, 900, 17), num_qo_heads=32, num_kv_heads=8, head_dim=128, page_stride_pad=16)
+    inp = build(case)
+    warmups = []
+    for fn in (decode._split_kv_kernel, decode._merge_kernel):
+        monkeypatch.setattr(fn, "warmup", lambda *a, _fn=fn, **kw: warmups.append(_fn))
+    out = run_oneshot(case, inp, out=poisoned_out(case, inp))
+    torch.cuda.synchronize()
+    assert not warmups
+    check(case, out, reference(case, inp))
 
 
 def test_direct_launch_falls_back_to_triton_dispatch(monkeypatch):

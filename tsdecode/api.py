@@ -351,4 +351,9 @@ def batch_decode_with_paged_kv_cache(
         mask_type=mask_type, window_left=window_left, max_kv_len=None, bind_seq_lens=False,
         config=None, num_pages=num_pages,
     )
+    if (plan.device.type == "cuda" and q.is_contiguous() and (out is None or out.is_contiguous())
+            and isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.is_contiguous()):
+        # The inputs the plan's compile step assumes: it finds the kernels an earlier call or
+        # plan compiled (or compiles them), and the launch below skips triton's dispatch.
+        _warm_up(plan)
     return _run_plan(plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out)

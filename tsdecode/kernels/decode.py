@@ -23,6 +23,8 @@ evenly among the splits at run time, and splits with no tiles write lse = -inf.
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +87,10 @@ def pdl_enabled(device: torch.device) -> bool:
     return _PDL_CACHE[index]
 
 
-@triton.jit
+# max_kv_len changes with every decode step's longest request: unspecialised (its divisibility
+# never changed the binary: same SASS with and without, triton 3.6 for sm90), so plans of other
+# lengths share one compiled variant (``DecodeLaunch.compile``).
+@triton.jit(do_not_specialize=["max_kv_len"])
 def _split_kv_kernel(
     # pointers
     q_ptr, k_ptr, v_ptr, block_tables_ptr, seq_lens_ptr, qo_indptr_ptr,
@@ -600,7 +605,7 @@ class DecodeLaunch:
         """Keep the compiled kernels of ``key`` for direct launches (when they are plain compiled
         ``JITFunction`` kernels: not substitutes, not the interpreter's, not pending compiles)."""
         def usable(kernel, compiled):
-            return isinstance(kernel, JITFunction) and compiled is not None and not hasattr(compiled, "result")
+            return isinstance(kernel, JITFunction) and _finished(compiled)
 
         if self._direct_broken or not usable(split_kernel, split_compiled):
             return
@@ -623,7 +628,9 @@ class DecodeLaunch:
         compact cache at 16-byte aligned addresses runs: ``kernel.warmup`` with dtypes standing in
         for those four tensors, and the plan's own tensors, scalars and constexprs. The compiled
         kernels are kept for such calls with a compact combined cache (the usual case), so even a
-        plan's first run of that kind launches directly."""
+        plan's first run of that kind launches directly. Kernels an earlier plan of this process
+        compiled for an equal ``_specialization_key`` (same config and shapes, any lengths) are
+        taken from ``_COMPILED`` without calling ``warmup``."""
         g = self.geometry
         contiguous = [1]
         for size in reversed(q_shape[1:]):
@@ -639,23 +646,110 @@ class DecodeLaunch:
         split_kernel, merge_kernel = _split_kv_kernel, _merge_kernel
         split_args = (q_dtype, kv_dtype, kv_dtype, *self._plan_tensors, o_dtype, partial_o, partial_lse,
                       1.0, 1.0, *self._scalars, *io_strides, *io_strides, *kv_strides, *self._tail_strides)
-        split_compiled = split_kernel.warmup(
-            *split_args, grid=self._grid, **self._split_constexprs, USE_PDL=pdl, **self._split_options,
-            **launch_pdl,
-        )
-        merge_args = merge_compiled = None
+        merge_args = None
         if self._merge_grid is not None:
             merge_args = (partial_o, partial_lse, o_dtype, 1.0, self.config.num_kv_splits,
                           *self._po_lse_strides, *io_strides)
-            merge_compiled = merge_kernel.warmup(
-                *merge_args, grid=self._merge_grid, **self._merge_constexprs, USE_PDL=pdl,
-                **self._merge_options, **launch_pdl,
+        shared_key = None
+        if isinstance(split_kernel, JITFunction) and isinstance(merge_kernel, JITFunction):
+            split_key = _specialization_key(split_kernel, split_args)
+            merge_key = None if merge_args is None else _specialization_key(merge_kernel, merge_args)
+            if split_key is not None and (merge_args is None or merge_key is not None):
+                device_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+                shared_key = (
+                    device_index, pdl, split_kernel, merge_kernel, split_key, _frozen(self._split_constexprs),
+                    _frozen(self._split_options),
+                    None if merge_args is None else (
+                        merge_key, _frozen(self._merge_constexprs), _frozen(self._merge_options)),
+                )
+        compiled = _shared_kernels(shared_key) if shared_key is not None else None
+        if compiled is not None:
+            split_compiled, merge_compiled = compiled
+        else:
+            split_compiled = split_kernel.warmup(
+                *split_args, grid=self._grid, **self._split_constexprs, USE_PDL=pdl, **self._split_options,
+                **launch_pdl,
             )
+            merge_compiled = None
+            if merge_args is not None:
+                merge_compiled = merge_kernel.warmup(
+                    *merge_args, grid=self._merge_grid, **self._merge_constexprs, USE_PDL=pdl,
+                    **self._merge_options, **launch_pdl,
+                )
+            if shared_key is not None and _finished(split_compiled) and (
+                    merge_args is None or _finished(merge_compiled)):
+                _share_kernels(shared_key, (split_compiled, merge_compiled))
         # The key a call computes for those tensors (addresses 0 mod 16; V = K + Hkv*P*D elements).
         v_offset = g.num_kv_heads * g.page_size * g.head_dim * kv_dtype.itemsize
         key = (pdl, 0, 0, v_offset % 16, 0, *io_strides, *io_strides, *kv_strides)
         self._remember(key, pdl, split_kernel, split_compiled, len(split_args), merge_kernel, merge_compiled,
                        None if merge_args is None else len(merge_args))
+
+
+# Compiled kernels shared by every plan of this process (``DecodeLaunch.compile``), least recently
+# used first: a plan whose kernels an earlier plan compiled (the usual decode step: same config,
+# new lengths) skips triton's warm-up, its argument binding and cache lookup (31-89 us on the H200
+# machine's host, a hit 18-47 us: reports/nvidia-h200/2026-11-30/plan_sharing.txt).
+_COMPILED: OrderedDict[tuple, tuple] = OrderedDict()
+_COMPILED_LOCK = threading.Lock()  # plans may come from several threads
+_COMPILED_MAX_ENTRIES = 256
+
+
+def clear_compiled_cache() -> None:
+    """Forget the compiled kernels plans share (triton's own caches are not touched)."""
+    with _COMPILED_LOCK:
+        _COMPILED.clear()
+
+
+def _shared_kernels(key: tuple) -> tuple | None:
+    with _COMPILED_LOCK:
+        found = _COMPILED.get(key)
+        if found is not None:
+            _COMPILED.move_to_end(key)
+        return found
+
+
+def _share_kernels(key: tuple, compiled: tuple) -> None:
+    with _COMPILED_LOCK:
+        _COMPILED[key] = compiled
+        if len(_COMPILED) > _COMPILED_MAX_ENTRIES:
+            _COMPILED.popitem(last=False)
+
+
+def _finished(compiled) -> bool:
+    """A compiled kernel ready to launch (not None, not an asynchronous compile's pending result)."""
+    return compiled is not None and not hasattr(compiled, "result")
+
+
+def _frozen(d: dict) -> tuple:
+    return tuple(sorted(d.items()))
+
+
+def _specialization_key(kernel: JITFunction, args: tuple) -> tuple | None:
+    """A key at least as fine as triton's specialisation of ``args`` (the kernel's leading
+    arguments, tensors given as tensors or as their dtype): every argument's type, a tensor's dtype
+    and address mod 16, an integer's exact value (only its 32/64-bit width where the kernel does
+    not specialise it), not a float's value. Two argument lists with equal keys run the same
+    compiled variant. None for an argument of another type (no sharing then)."""
+    names = kernel.arg_names
+    unspecialised = {n if isinstance(n, int) else names.index(n)
+                     for n in getattr(kernel, "do_not_specialize", None) or () if isinstance(n, int) or n in names}
+    types = tuple(map(type, args))
+    values = list(args)  # integers, bools, None and dtypes stand for themselves
+    for index, kind in enumerate(types):
+        if kind is int:
+            if index in unspecialised:
+                value = values[index]
+                values[index] = "i32" if -(2**31) <= value < 2**31 else "i64" if -(2**63) <= value < 2**63 else "u64"
+        elif kind is float:
+            values[index] = None
+        elif kind is bool or kind is torch.dtype or values[index] is None:
+            pass  # a dtype stands for a 16-byte aligned tensor in ``warmup``
+        elif isinstance(values[index], torch.Tensor):
+            values[index] = (values[index].dtype, values[index].data_ptr() % 16)
+        else:
+            return None
+    return types, tuple(values)
 
 
 class _DirectLaunch:
