@@ -19,7 +19,7 @@ Rows:
                              every call, as ``run`` launched before the plan kept a launcher
   plan                       BatchDecodePagedTSWrapper.plan(...) again for the same shape (fixed
                              lengths: one host read, so this row includes a synchronisation)
-  plan, no warm-up           the same with the warm-up launch skipped
+  plan, no warm-up           the same with the compile step (``_warm_up``) skipped
   plan, new lengths          plan(...) cycling through four lengths tensors (longest 64, 50, 33,
                              17): a new max_kv_len every call, as at every decode step
   plan, not shared           plan(...) with the kernels plans share forgotten before each call
