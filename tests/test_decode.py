@@ -22,6 +22,9 @@ CASES = {
     "gqa-fp16": Case(dtype=FP16, lens=(5, 64, 100)),
     "mha-fma": Case(num_qo_heads=4, num_kv_heads=4, lens=(1, 31, 96)),
     "mqa-g8": Case(num_qo_heads=8, num_kv_heads=1, lens=(7, 48)),
+    # one KV head of one request (B*Hkv = 1): the heuristic's split count hits its bound
+    "mqa-b1": Case(num_qo_heads=8, num_kv_heads=1, lens=(70,)),
+    "mqa-b1-fp8": Case(num_qo_heads=8, num_kv_heads=1, kv_dtype=torch.float8_e4m3fn, lens=(70,)),
     "g32-two-m-blocks": Case(num_qo_heads=32, num_kv_heads=1, lens=(9, 40), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
     # explicit configs: tiles, FMA/dot, splits (more splits than tiles for short requests)
     "splits-3-bn16": Case(lens=(1, 17, 100), config=KC(block_n=16, block_m=16, num_kv_splits=3)),

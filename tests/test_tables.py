@@ -810,6 +810,27 @@ def test_heuristic_fp8_caches_below_4_programs_per_sm_take_lean_programs_at_abou
     assert config(8, 8192, kv=torch.bfloat16).num_stages == 3  # the 16-bit lean rule
 
 
+def test_heuristic_config_is_valid_on_any_gpu_and_shape():
+    """The heuristic's rules count programs per SM; on every SM count (1 to 1000) and shape it
+    returns a config inside the config space (the split bound included: B*Hkv = 1 on a 132-SM
+    GPU asked for 1056 splits) with no more splits than the longest request has tiles."""
+    from tsdecode.configs import MAX_NUM_KV_SPLITS, heuristic_config, num_kv_tiles
+
+    for num_sms in (1, 8, 108, 114, 128, 129, 132, 148, 170, 256, 1000):
+        for b, hq, hkv in ((1, 8, 1), (1, 32, 8), (2, 64, 1), (3, 28, 4), (64, 32, 8), (4096, 32, 32)):
+            for kv_len in (1, 16, 1000, 1 << 20):
+                for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+                    for head_dim in (64, 128, 256):
+                        shape = make_shape(batch_size=b, kv_len=kv_len, num_qo_heads=hq, num_kv_heads=hkv,
+                                           kv_dtype=kv_dtype, head_dim=head_dim)
+                        config = heuristic_config(shape, num_sms)
+                        config.validate()
+                        assert config.num_kv_splits <= min(MAX_NUM_KV_SPLITS, num_kv_tiles(kv_len, config.block_n))
+    one_head = make_shape(batch_size=1, kv_len=1 << 20, num_qo_heads=8, num_kv_heads=1)
+    assert heuristic_config(one_head, 132).num_kv_splits == MAX_NUM_KV_SPLITS  # 8 * 132 = 1056 asked
+    assert heuristic_config(one_head, 128).num_kv_splits == 1024  # 8 * 128: the bound itself
+
+
 def test_lean_rules_take_only_the_programs_that_fit_an_sm():
     """On a GPU with 100 KiB of shared memory a SM (L40S, RTX 4090: 7 lean programs fit, not 12)
     both lean rules split for 7 programs per SM, rounded down, instead of ~8 (which would leave a

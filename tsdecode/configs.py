@@ -290,9 +290,12 @@ def heuristic_config(
         num_kv_splits = splits_for_full_waves(
             shape, KernelConfig(block_n=block_n, block_m=block_m, num_warps=num_warps,
                                 num_stages=num_stages), base_programs, num_sms, shared_memory_per_sm)
+    # The rules above count programs per SM: one KV head of one request (B*Hkv = 1, e.g. an MQA
+    # model at batch size 1) asks for ~8 * SMs splits, past the config space's bound on a GPU
+    # with more than 128 SMs.
     config = KernelConfig(
-        block_n=block_n, block_m=block_m, num_kv_splits=num_kv_splits, num_warps=num_warps,
-        num_stages=num_stages,
+        block_n=block_n, block_m=block_m, num_kv_splits=min(num_kv_splits, MAX_NUM_KV_SPLITS),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return fit_config(config, shape)[0]
 
