@@ -29,7 +29,7 @@ import tsdecode  # noqa: E402
 from tsdecode.configs import KernelConfig, device_num_sms, fit_config, heuristic_config  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
 from tuner.measure import (  # noqa: E402
-    bytes_moved, copy_bandwidth_gbs, graph_time_us, make_inputs, num_copies, relative_error,
+    bytes_moved, copy_bandwidth_gbs, graph_time_us, input_q_lens, make_inputs, num_copies, relative_error,
 )
 from tsdecode.reference import reference_decode  # noqa: E402
 
@@ -293,7 +293,8 @@ def main(argv=None) -> int:
 
 def set_bytes(spec: ShapeSpec, inputs) -> int:
     """Bytes the floor moves for one input set: its actual (possibly ragged) lengths."""
-    return bytes_moved(spec, inputs.seq_lens.tolist(), int(inputs.q.shape[0]) if spec.packed else None)
+    return bytes_moved(spec, inputs.seq_lens.tolist(), int(inputs.q.shape[0]) if spec.packed else None,
+                       input_q_lens(inputs))
 
 
 def selected_by(only: str | None, name: str) -> bool:

@@ -33,6 +33,36 @@ def test_set_bytes_counts_the_actual_ragged_lengths():
     assert inputs.cache.dtype == torch.bfloat16
 
 
+def test_sliding_window_bytes_count_the_visible_keys_and_copies_flush_l2_with_them():
+    """A sliding window reads the last SQ + window_left keys of a request: bytes (and so % copy)
+    count those, and the copies rotated through a replay read 256 MiB of them (a whole-cache
+    count left a B=1 L=32k window-4095 shape at 2 copies, 32 MiB read a replay: L2-resident)."""
+    from tuner.measure import L2_FLUSH_BYTES, POOL_BUDGET_BYTES, input_q_lens, kv_bytes, num_copies
+
+    mistral = next(s for s in PRESETS["mistral-7b"] if (s.batch_size, s.kv_len) == (1, 32768))
+    assert mistral.window_left == 4095 and mistral.mask_type == "causal"
+    per_token = 2 * mistral.num_kv_heads * mistral.head_dim * 2
+    assert kv_bytes(mistral) == 4096 * per_token  # 1 + 4095 keys
+    dense = ShapeSpec(1, 32768, num_qo_heads=32, num_kv_heads=8)
+    assert kv_bytes(dense) == 32768 * per_token and num_copies(dense) == 2
+    assert num_copies(mistral) == 16 and num_copies(mistral) * kv_bytes(mistral) == L2_FLUSH_BYTES
+    short = next(s for s in PRESETS["mistral-7b"] if (s.batch_size, s.kv_len) == (8, 1024))
+    assert kv_bytes(short) == 8 * 1024 * per_token  # window longer than the request
+    # packed queries: each request's own query length widens its window
+    packed = ShapeSpec(3, 100, num_qo_heads=4, num_kv_heads=2, head_dim=64, seq_len_q=4, packed=True,
+                       mask_type="causal", window_left=10)
+    inputs = make_inputs(packed, "cpu", copies=1, seed=3)[0]
+    q_lens = input_q_lens(inputs)
+    assert len(q_lens) == 3 and sum(q_lens) == inputs.q.shape[0]
+    assert kv_bytes(packed, inputs.seq_lens.tolist(), q_lens) == sum(
+        min(n, q + 10) for n, q in zip(inputs.seq_lens.tolist(), q_lens)) * 2 * 2 * 64 * 2
+    assert bench_decode.set_bytes(packed, inputs) == bytes_moved(
+        packed, inputs.seq_lens.tolist(), inputs.q.shape[0], q_lens)
+    # whole caches of all copies stay within the pool budget, however small the window
+    huge = ShapeSpec(1, 1 << 20, num_qo_heads=32, num_kv_heads=8, mask_type="causal", window_left=4095)
+    assert num_copies(huge) == POOL_BUDGET_BYTES // (2**20 * per_token) == 4
+
+
 def test_only_filter_takes_comma_separated_names():
     assert bench_decode.selected_by(None, "B8_L8192")
     assert bench_decode.selected_by("B1_,B8_L8192", "B8_L8192_H32x8")

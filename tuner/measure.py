@@ -2,7 +2,7 @@
 
 The timing method is the one of ``shared/anchors/h200_peers.md`` so numbers compare with the
 peers': R back-to-back calls, each on its own inputs over disjoint pages of one pool
-(R = ceil(256 MiB / K/V bytes), at most 64), captured in one CUDA graph and replayed for about
+(R = ceil(256 MiB / K/V bytes read), at most 64), captured in one CUDA graph and replayed for about
 80 ms; the reported time is the median replay time / R. This keeps K/V out of L2 and hides launch
 gaps the way a graphed decode step does. Without CUDA (interpreter) times are wall-clock and
 meaningless; callers must say so.
@@ -22,6 +22,7 @@ from .grids import DTYPES, ShapeSpec
 
 L2_FLUSH_BYTES = 256 * 2**20
 MAX_COPIES = 64
+POOL_BUDGET_BYTES = 16 * 2**30  # whole caches of all copies (windowed shapes read part of each)
 
 
 @dataclass
@@ -54,23 +55,52 @@ def q_lens_for(spec: ShapeSpec, generator: torch.Generator) -> list[int]:
     return torch.randint(1, spec.seq_len_q + 1, (spec.batch_size,), generator=generator).tolist()
 
 
-def kv_bytes(spec: ShapeSpec, seq_lens: Sequence[int] | None = None) -> int:
-    """K and V bytes read once: 2 * sum(L) * Hkv * D * element size."""
-    total = sum(seq_lens) if seq_lens is not None else spec.batch_size * spec.kv_len
+def visible_kv_len(spec: ShapeSpec, kv_len: int, q_len: int) -> int:
+    """Keys a request's query rows can see (the op reads no others): all kv_len, or with a sliding
+    window (causal) the last q_len + window_left of them."""
+    if spec.window_left >= 0:
+        return min(kv_len, q_len + spec.window_left)
+    return kv_len
+
+
+def kv_bytes(spec: ShapeSpec, seq_lens: Sequence[int] | None = None,
+             q_lens: Sequence[int] | None = None) -> int:
+    """K and V bytes read once: 2 * sum(visible L) * Hkv * D * element size.
+
+    Visible L: ``visible_kv_len`` of each request, its query length from q_lens (packed; the
+    capacity seq_len_q when q_lens is None) or seq_len_q (fixed).
+    """
+    lens = list(seq_lens) if seq_lens is not None else [spec.kv_len] * spec.batch_size
+    sq = list(q_lens) if q_lens is not None else [spec.seq_len_q] * len(lens)
+    total = sum(visible_kv_len(spec, n, q) for n, q in zip(lens, sq))
     elem = DTYPES[spec.kv_dtype].itemsize
     return 2 * total * spec.num_kv_heads * spec.head_dim * elem
 
 
-def bytes_moved(spec: ShapeSpec, seq_lens: Sequence[int] | None = None, total_q: int | None = None) -> int:
-    """The floor's bytes: K/V read once plus q read and the output written once."""
+def bytes_moved(spec: ShapeSpec, seq_lens: Sequence[int] | None = None, total_q: int | None = None,
+                q_lens: Sequence[int] | None = None) -> int:
+    """The floor's bytes: visible K/V read once plus q read and the output written once."""
     tq = total_q if total_q is not None else spec.batch_size * spec.seq_len_q
     qo = tq * spec.num_qo_heads * spec.head_dim * (DTYPES[spec.q_dtype].itemsize + DTYPES[spec.o_dtype].itemsize)
-    return kv_bytes(spec, seq_lens) + qo
+    return kv_bytes(spec, seq_lens, q_lens) + qo
+
+
+def input_q_lens(inputs: "DecodeInputs") -> list[int] | None:
+    """Per-request query lengths of a packed input set (from qo_indptr); None otherwise."""
+    if inputs.qo_indptr is None:
+        return None
+    return torch.diff(inputs.qo_indptr.cpu()).tolist()
 
 
 def num_copies(spec: ShapeSpec) -> int:
-    """Input sets to rotate through so K/V stays out of L2 (the anchors' R)."""
-    return max(1, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / max(1, kv_bytes(spec)))))
+    """Input sets to rotate through so K/V stays out of L2 (the anchors' R): enough that the
+    calls of one replay read L2_FLUSH_BYTES of visible K/V, at most MAX_COPIES, and no more than
+    fit POOL_BUDGET_BYTES of whole caches (a sliding window reads a small part of each)."""
+    visible = max(1, kv_bytes(spec))
+    whole = 2 * spec.batch_size * -(-spec.kv_len // spec.page_size) * spec.page_size \
+        * spec.num_kv_heads * spec.head_dim * DTYPES[spec.kv_dtype].itemsize
+    fit = max(1, POOL_BUDGET_BYTES // max(1, whole))
+    return max(1, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / visible), fit))
 
 
 def make_inputs(spec: ShapeSpec, device: torch.device | str, copies: int = 1, seed: int = 0) -> list[DecodeInputs]:

@@ -231,7 +231,7 @@ def benchmark_shape(spec: ShapeSpec, impls: Sequence[I.Impl], opts: Options, env
     inputs = measure.make_inputs(spec, opts.device, copies=copies, seed=opts.seed)
     first = inputs[0]
     total_q = first.q.shape[0] if spec.packed else spec.batch_size * spec.seq_len_q
-    nbytes = measure.bytes_moved(spec, first.seq_lens.tolist(), total_q)
+    nbytes = measure.bytes_moved(spec, first.seq_lens.tolist(), total_q, measure.input_q_lens(first))
     ref, stop, checked = _reference(spec, first, opts.check_requests)
     tol = measure.tolerance(spec)
     rows = []

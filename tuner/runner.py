@@ -234,7 +234,7 @@ class Measurer:
                 seq_len_q=spec.seq_len_q, qo_indptr=indptr, mask_type=spec.mask_type,
                 window_left=spec.window_left, compute_dtype=torch.float64,
             )
-        prep = _Prepared(sets, ref, rows, measure.bytes_moved(spec, lens, total_q),
+        prep = _Prepared(sets, ref, rows, measure.bytes_moved(spec, lens, total_q, measure.input_q_lens(s0)),
                          measure.tolerance(spec))
         self._prepared[spec] = prep
         return prep
