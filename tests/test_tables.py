@@ -861,9 +861,10 @@ def test_lean_rules_take_only_the_programs_that_fit_an_sm():
 
 def _bucket_shape(class_key: str, bucket: tuple[int, int], entry: TableEntry) -> ProblemShape:
     """The uniform-length shape a shipped entry was tuned at: its class key, the batch size it
-    was measured at and the bucket's K/V length (the presets' lengths are powers of two)."""
+    was measured at and the bucket's K/V length (the presets' lengths are powers of two). A
+    windowed class key does not record the window: the heuristic does not look at it."""
     fields = dict(part.split("=", 1) for part in class_key.split(","))
-    assert fields["sq"].isdigit() and fields["mask"] in ("dense", "causal"), (
+    assert fields["sq"].isdigit() and fields["mask"] in ("dense", "causal", "windowed"), (
         f"{class_key}: extend _bucket_shape to this query mode / mask")
     hkv = int(fields["hkv"])
     return ProblemShape(
