@@ -5,9 +5,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PYTHONPATH:/tmp/site
+. scripts/device_env.sh
 TSDECODE_TRANSPOSED=1 timeout 240 python3 -m pytest tests/test_gpu.py -q -x -n 8 -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/gpu_tests_transposed.log"
 python3 scripts/ab_configs.py --replay-ms 30 --configs heur:s,heur:t \
   --shapes 8:8192:32:8,8:8192:64:8,32:1024:32:8,8:1024:32:32,8:1024:32:8,1:32768:32:8,1:8192:32:8,1:1024:32:8,128:8192:32:8 \

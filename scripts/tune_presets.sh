@@ -7,9 +7,7 @@
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=$PYTHONPATH:/tmp/site
+. scripts/device_env.sh
 rc=0
 dir="$OUT/tuned"; mkdir -p "$dir"
 cp tuned_configs/NVIDIA_H200.json "$dir/"   # each preset's buckets are merged into the shipped table
