@@ -200,6 +200,17 @@ def test_failed_replan_keeps_previous_plan():
     check(case, w.run(inp.q, inp.cache), reference(case, inp))
 
 
+def test_merge_takes_more_splits_than_one_pass_holds():
+    """The merge kernel reads BLOCK_S splits a pass (at most 8192 / its head-dim slice): 300
+    splits of a 2-row problem take two passes of 256, the online rescale across passes included
+    (the tuned H200 entries for Hq=8, Hkv=1 at B=1 run 512 splits)."""
+    case = Case(num_qo_heads=2, num_kv_heads=1, head_dim=64, lens=(16 * 300 - 5,),
+                config=KC(block_n=16, block_m=16, num_kv_splits=300, num_warps=1, num_stages=3))
+    w = run_and_check(case)
+    merge = w._plan.launch._merge_constexprs
+    assert w.config.kernel_config.num_kv_splits == 300 and merge["BLOCK_S"] == 256 and merge["BLOCK_D"] == 32
+
+
 def test_config_reports_source_and_adjustments():
     case = Case(lens=(10, 20), config=KC(block_n=16, block_m=64, num_kv_splits=100))
     inp = build(case)
