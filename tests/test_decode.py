@@ -211,6 +211,23 @@ def test_merge_takes_more_splits_than_one_pass_holds():
     assert w.config.kernel_config.num_kv_splits == 300 and merge["BLOCK_S"] == 256 and merge["BLOCK_D"] == 32
 
 
+@pytest.mark.parametrize("mode,seq_len_q,q_lens", [("sq1", 1, None), ("fixed", 3, None), ("packed", 4, (4, 1))])
+def test_splits_fit_the_window_not_the_whole_request(mode, seq_len_q, q_lens):
+    """A sliding window leaves each program at most ceil((SQ + window_left) / block_n) + 1 tiles
+    to walk however long the request: more splits than that are cut (they would be empty), and
+    the answer is the reference's."""
+    case = Case(mode=mode, seq_len_q=seq_len_q, q_lens=q_lens, mask_type="causal", window_left=20,
+                lens=(40, 300), config=KC(block_n=16, block_m=16, num_kv_splits=12))
+    w = run_and_check(case)
+    sel = w.config
+    assert sel.kernel_config.num_kv_splits == -(-(seq_len_q + 20) // 16) + 1 < 12
+    assert any("window_left 20" in a for a in sel.adjustments)
+    # without a window the same request keeps its 12 splits (300 tokens: 19 tiles)
+    dense = run_and_check(dataclasses.replace(case, mask_type="dense", window_left=-1, mode="sq1",
+                                              seq_len_q=1, q_lens=None))
+    assert dense.config.kernel_config.num_kv_splits == 12
+
+
 def test_config_reports_source_and_adjustments():
     case = Case(lens=(10, 20), config=KC(block_n=16, block_m=64, num_kv_splits=100))
     inp = build(case)

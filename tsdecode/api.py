@@ -234,6 +234,7 @@ def _make_plan(
         packed=packed, mask_kind="windowed" if window_left >= 0 else mask_type,
         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
         kv_len_spread=1.0 if bind_seq_lens else longest * len(lens) / sum(lens),
+        window_left=window_left,
     )
     selected = select_config(shape, device, config)
     seq_lens = seq_lens_kv if bind_seq_lens else seq_lens_kv.clone()

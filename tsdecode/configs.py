@@ -130,7 +130,8 @@ class ProblemShape:
     """What config selection may look at (host values only; fixed at plan time).
 
     max_kv_len is the longest K/V length the plan covers (tokens); max_seq_len_q the query
-    tokens per request (fixed SQ, or the packed capacity).
+    tokens per request (fixed SQ, or the packed capacity); window_left the sliding window (-1:
+    none), of which mask_kind records only whether there is one.
     """
 
     batch_size: int
@@ -148,6 +149,7 @@ class ProblemShape:
     # Longest over mean K/V length of the plan's requests when lengths are fixed at plan time
     # (1.0 for bound lengths, unknown until run): how ragged the batch is.
     kv_len_spread: float = 1.0
+    window_left: int = -1
 
     @property
     def group_size(self) -> int:
@@ -162,6 +164,15 @@ class ProblemShape:
     def block_d(self) -> int:
         return next_power_of_2(self.head_dim)
 
+    def max_visible_tiles(self, block_n: int) -> int:
+        """K/V tiles of block_n tokens a program can walk: those of the longest request, or with a
+        sliding window those holding its last max_seq_len_q + window_left keys (one more where
+        that range starts inside a tile)."""
+        tiles = num_kv_tiles(self.max_kv_len, block_n)
+        if self.window_left >= 0:
+            tiles = min(tiles, num_kv_tiles(self.max_seq_len_q + self.window_left, block_n) + 1)
+        return tiles
+
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
@@ -175,8 +186,8 @@ def fit_config(config: KernelConfig, shape: ProblemShape) -> tuple[KernelConfig,
     """Return a config valid for ``shape`` close to ``config``, and what was changed and why.
 
     Validity per shape: block_m no larger than the padded row count needs; the FMA path's tile
-    fits FMA_MAX_TILE_ELEMENTS; num_kv_splits no larger than the K/V tiles of the longest
-    request (more splits would only add empty programs).
+    fits FMA_MAX_TILE_ELEMENTS; num_kv_splits no larger than the K/V tiles a program can walk
+    (``ProblemShape.max_visible_tiles``: more splits would only add empty programs).
     """
     config.validate()
     changes: list[str] = []
@@ -203,13 +214,14 @@ def fit_config(config: KernelConfig, shape: ProblemShape) -> tuple[KernelConfig,
                 f"block_n {config.block_n} -> {block_n}: FMA tile block_m*block_n*block_d "
                 f"must stay <= {FMA_MAX_TILE_ELEMENTS}"
             )
-    max_splits = num_kv_tiles(shape.max_kv_len, block_n)
+    max_splits = shape.max_visible_tiles(block_n)
     num_kv_splits = config.num_kv_splits
     if num_kv_splits > max_splits:
-        changes.append(
-            f"num_kv_splits {num_kv_splits} -> {max_splits}: max_kv_len {shape.max_kv_len} "
-            f"has only {max_splits} tiles of {block_n}"
-        )
+        if max_splits < num_kv_tiles(shape.max_kv_len, block_n):
+            why = f"window_left {shape.window_left} leaves at most {max_splits} tiles of {block_n} visible"
+        else:
+            why = f"max_kv_len {shape.max_kv_len} has only {max_splits} tiles of {block_n}"
+        changes.append(f"num_kv_splits {num_kv_splits} -> {max_splits}: {why}")
         num_kv_splits = max_splits
     fitted = dataclasses.replace(
         config, block_m=block_m, block_n=block_n, num_kv_splits=num_kv_splits

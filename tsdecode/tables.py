@@ -1112,6 +1112,7 @@ def explain(
         batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, page_size=page_size, max_kv_len=kv_len, max_seq_len_q=seq_len_q,
         packed=packed, mask_kind=mask_kind, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
+        window_left=window_left,
     )
     trace: list[str] = []
     hit = _resolve(shape, device, config_dir, device_info, trace)

@@ -84,7 +84,7 @@ class ShapeSpec:
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=self.page_size,
             max_kv_len=self.kv_len, max_seq_len_q=self.seq_len_q, packed=self.packed,
             mask_kind=self.mask_kind, q_dtype=DTYPES[self.q_dtype], kv_dtype=DTYPES[self.kv_dtype],
-            o_dtype=DTYPES[self.o_dtype],
+            o_dtype=DTYPES[self.o_dtype], window_left=self.window_left,
         )
 
     def to_dict(self) -> dict:
