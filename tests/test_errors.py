@@ -59,13 +59,16 @@ ONESHOT_ERRORS = {
     "mask_type": (dict(mask_type="sliding"), ValueError, "mask_type"),
     "window without causal": (dict(window_left=4), ValueError, "needs mask_type='causal'"),
     "window below -1": (dict(window_left=-2, mask_type="causal"), ValueError, "window_left must be >= -1"),
-    "bmm1_scale tensor": (dict(bmm1_scale="tensor"), TypeError, "bmm1_scale must be a Python float"),
+    "bmm1_scale tensor": (dict(bmm1_scale="tensor"), TypeError, "bmm1_scale must be a real number"),
+    "bmm2_scale None": (dict(bmm2_scale=None), TypeError, "bmm2_scale must be a real number"),
     "bmm2_scale nan": (dict(bmm2_scale=float("nan")), ValueError, "bmm2_scale must be finite"),
     "out_dtype fp8 with bf16 q": (dict(out_dtype=FP8), TypeError, "output dtype"),
     "out_dtype int": (dict(out_dtype=torch.int32), TypeError, "output dtype"),
     "out shape": (dict(out="shape"), ValueError, "out must have q's shape"),
     "out dtype vs out_dtype": (dict(out="bf16", out_dtype=torch.float16), TypeError, "disagrees"),
     "out aliases q": (dict(out="alias"), ValueError, "must not alias q"),
+    "out stride 0 over requests": (dict(out="expand"), ValueError, "out must not overlap itself"),
+    "out heads interleaved": (dict(out="interleaved"), ValueError, "out must not overlap itself"),
     "seq_len_q without 4-D q": (dict(seq_len_q=2), ValueError, "needs q as"),
     "fixed max_seq_len_q mismatch": (dict(max_seq_len_q=3), ValueError, "must equal seq_len_q"),
     "causal query longer than kv": (dict(q="sq8", seq_len_q=8, mask_type="causal"), ValueError, "causal mask needs"),
@@ -108,6 +111,9 @@ def _materialize(inp, kw):
         ("out", "shape"): lambda: torch.empty(q.shape[0], 8, 32, dtype=BF16, device=q.device),
         ("out", "bf16"): lambda: torch.empty_like(q),
         ("out", "alias"): lambda: q,
+        ("out", "expand"): lambda: torch.empty_like(q[:1]).expand(q.shape),
+        ("out", "interleaved"): lambda: torch.empty(q.numel(), dtype=q.dtype, device=q.device)
+        .as_strided(q.shape, (q.shape[1] * 32, 32, 1)),
         ("qo_indptr", "int64"): lambda: torch.tensor([0, 1, 2], device=q.device),
         ("qo_indptr", "shape"): lambda: torch.tensor([0, 2], dtype=torch.int32, device=q.device),
         ("qo_indptr", "start1"): lambda: torch.tensor([1, 1, 2], dtype=torch.int32, device=q.device),
@@ -319,3 +325,67 @@ def test_page_ids_are_checked_over_exactly_the_covered_columns(bind, bad, covere
     else:
         out = plan_and_run()
         assert torch.allclose(out.float(), reference(case, inp).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("shape, stride, overlaps", [
+    ((2, 8, 64), (512, 64, 1), False),      # contiguous
+    ((2, 8, 64), (1024, 128, 1), False),    # padded heads
+    ((2, 8, 64), (64, 128, 1), False),      # head-major
+    ((2, 8, 64), (0, 64, 1), True),         # one request's rows for all
+    ((2, 8, 64), (256, 32, 1), True),       # heads overlap by half
+    ((2, 8, 64), (512, 64, 0), True),       # one element per head
+    ((1, 8, 64), (0, 64, 1), False),        # size-1 dims' strides do not matter
+    ((2, 0, 64), (0, 0, 0), False),         # empty
+])
+def test_overlaps_itself(shape, stride, overlaps):
+    from tsdecode.validation import overlaps_itself
+    t = torch.empty(4096, dtype=BF16).as_strided(shape, stride)
+    assert overlaps_itself(t) is overlaps
+
+
+def test_padded_out_is_accepted_and_written():
+    """A non-overlapping strided out (rows of a wider buffer) passes the self-overlap check and
+    gets exactly the result; the padding stays untouched."""
+    case = Case(lens=(5, 40))
+    inp = build(case)
+    wide = torch.full((*inp.q.shape[:-1], 96), float("nan"), dtype=BF16, device=inp.q.device)
+    out = wide[..., 16:80]
+    result = oneshot(inp, out=out)
+    assert result is out
+    torch.testing.assert_close(out.float(), reference(case, inp).float(), rtol=2e-2, atol=2e-2)
+    assert torch.isnan(wide[..., :16].float()).all() and torch.isnan(wide[..., 80:].float()).all()
+
+
+def test_strided_seq_lens_kv_copied_where_the_plan_copies():
+    """seq_lens_kv as a strided view: the one-shot op and an unbound plan copy it (and match the
+    reference); bind_seq_lens=True reads it in place and so refuses it."""
+    case = Case(lens=(5, 40))
+    inp = build(case)
+    ref = reference(case, inp).float()
+    holder = torch.zeros(2 * len(case.lens), dtype=torch.int32, device=inp.q.device)
+    holder[::2] = inp.seq_lens
+    holder[1::2] = 10**6  # what an accidental stride-1 read would see
+    strided = holder[::2]
+    torch.testing.assert_close(oneshot(inp, seq_lens_kv=strided).float(), ref, rtol=2e-2, atol=2e-2)
+    w = plan(inp, seq_lens_kv=strided)
+    torch.testing.assert_close(w.run(inp.q, inp.cache).float(), ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="seq_lens_kv must be contiguous with bind_seq_lens=True"):
+        plan(inp, seq_lens_kv=strided, bind_seq_lens=True)
+
+
+def test_numpy_scalars_are_accepted():
+    """Integral and real scalars other than int/float (numpy's) work like the Python values;
+    bools stay refused."""
+    np = pytest.importorskip("numpy")
+    case = Case(lens=(5, 40), mask_type="causal", window_left=7)
+    inp = build(case)
+    expected = oneshot(inp, mask_type="causal", window_left=7, bmm1_scale=0.125, bmm2_scale=0.5)
+    got = oneshot(inp, mask_type="causal", window_left=np.int64(7), bmm1_scale=np.float32(0.125),
+                  bmm2_scale=np.float64(0.5))
+    assert torch.equal(got, expected)
+    w = plan(inp, num_qo_heads=np.int64(8), num_kv_heads=np.int32(2), head_dim=np.int64(64),
+             page_size=np.int64(16), max_kv_len=np.int64(40))
+    assert type(w.config.kernel_config.num_kv_splits) is int
+    torch.testing.assert_close(w.run(inp.q, inp.cache), oneshot(inp), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="window_left must be an int"):
+        oneshot(inp, mask_type="causal", window_left=True)

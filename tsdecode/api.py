@@ -159,10 +159,14 @@ def _make_plan(
 ) -> _Plan:
     """Validate plan arguments (one host read) and build the plan; num_pages, when the cache is
     known (one-shot op), also bounds the page IDs."""
-    V.validate_heads(num_qo_heads, num_kv_heads, head_dim, page_size)
+    num_qo_heads, num_kv_heads, head_dim, page_size = V.validate_heads(
+        num_qo_heads, num_kv_heads, head_dim, page_size
+    )
     causal, window_left = V.validate_mask(mask_type, window_left)
     q_dtype, kv_dtype, o_dtype = V.resolve_dtypes(q_data_type, kv_data_type, o_data_type)
-    block_tables, seq_lens_kv = V.validate_block_tables(block_tables, seq_lens_kv)
+    if not isinstance(bind_seq_lens, bool):
+        raise TypeError(f"bind_seq_lens must be a bool, got {type(bind_seq_lens).__name__}")
+    block_tables, seq_lens_kv = V.validate_block_tables(block_tables, seq_lens_kv, bind_seq_lens)
     device = block_tables.device
     V.validate_execution_device(device, interpreter_active())
     if device.type == "cuda":
@@ -171,10 +175,8 @@ def _make_plan(
     packed, sq_cap = V.resolve_query_mode(seq_len_q, qo_indptr, max_seq_len_q)
     if packed:
         qo_indptr = V.validate_qo_indptr(qo_indptr, batch, device)
-    if not isinstance(bind_seq_lens, bool):
-        raise TypeError(f"bind_seq_lens must be a bool, got {type(bind_seq_lens).__name__}")
     if max_kv_len is not None:
-        V.require_int("max_kv_len", max_kv_len, minimum=1)
+        max_kv_len = V.require_int("max_kv_len", max_kv_len, minimum=1)
         if max_kv_len > cols * page_size:
             raise ValueError(
                 f"max_kv_len={max_kv_len} exceeds the block-table capacity "
@@ -237,7 +239,7 @@ def _make_plan(
         window_left=window_left,
     )
     selected = select_config(shape, device, config)
-    seq_lens = seq_lens_kv if bind_seq_lens else seq_lens_kv.clone()
+    seq_lens = seq_lens_kv if bind_seq_lens else seq_lens_kv.clone(memory_format=torch.contiguous_format)
     qo_indptr = qo_indptr.clone() if packed else None
     scratch = allocate_scratch(geometry, selected.kernel_config, device)
     spans = tuple(
@@ -316,6 +318,9 @@ def batch_decode_with_paged_kv_cache(
     Reads seq_lens_kv (and qo_indptr) on the host to plan exact bounds, so it cannot be captured
     in a CUDA graph (it raises RuntimeError during capture): plan a BatchDecodePagedTSWrapper
     before capture instead. Output dtype: out_dtype, else out.dtype, else q.dtype.
+    paged_kv_cache is HND only: [num_pages, 2, Hkv, P, D] or (K, V) each [num_pages, Hkv, P, D];
+    Hkv and P are read from its shape, so an NHD cache [.., P, Hkv, D] with Hq % P == 0 passes
+    unnoticed (the wrapper's plan, given Hkv and P, refuses it).
     """
     q = V.require_tensor("q", q)
     if q.is_cuda and torch.cuda.is_current_stream_capturing():

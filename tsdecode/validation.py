@@ -8,6 +8,7 @@ was received. Nothing here reads device memory; plan-time value checks take host
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 import torch
@@ -35,8 +36,10 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
 
 
 def require_int(name: str, value: object, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    """A Python int from any integral scalar (int, numpy.int64, ...); bools and tensors refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
@@ -74,18 +77,22 @@ def validate_scales(bmm1_scale: object, bmm2_scale: object, head_dim: int) -> tu
     for name, value in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
         if name == "bmm1_scale" and value is None:
             value = 1.0 / math.sqrt(head_dim)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(
-                f"{name} must be a Python float (a tensor would need a device sync), "
-                f"got {type(value).__name__}"
+                f"{name} must be a real number such as a Python float (a tensor would need a "
+                f"device sync), got {type(value).__name__}"
             )
+        value = float(value)
         if not math.isfinite(value):
             raise ValueError(f"{name} must be finite, got {value}")
         out.append(float(value))
     return out[0], out[1]
 
 
-def validate_heads(num_qo_heads: object, num_kv_heads: object, head_dim: object, page_size: object) -> None:
+def validate_heads(
+    num_qo_heads: object, num_kv_heads: object, head_dim: object, page_size: object
+) -> tuple[int, int, int, int]:
+    """Return (num_qo_heads, num_kv_heads, head_dim, page_size) as Python ints."""
     num_qo_heads = require_int("num_qo_heads", num_qo_heads, minimum=1)
     num_kv_heads = require_int("num_kv_heads", num_kv_heads, minimum=1)
     head_dim = require_int("head_dim", head_dim)
@@ -103,6 +110,7 @@ def validate_heads(num_qo_heads: object, num_kv_heads: object, head_dim: object,
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if page_size > MAX_PAGE_SIZE:
         raise ValueError(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {page_size}")
+    return num_qo_heads, num_kv_heads, head_dim, page_size
 
 
 def resolve_dtypes(
@@ -161,7 +169,11 @@ def validate_execution_device(device: torch.device, interpret: bool) -> None:
     )
 
 
-def validate_block_tables(block_tables: object, seq_lens_kv: object) -> tuple[torch.Tensor, torch.Tensor]:
+def validate_block_tables(
+    block_tables: object, seq_lens_kv: object, bind_seq_lens: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_tables int32 [B, C] with contiguous rows; seq_lens_kv int32 [B] on its device,
+    contiguous only where the kernels read it in place (bind_seq_lens; a plan copies it else)."""
     block_tables = require_tensor("block_tables", block_tables)
     seq_lens_kv = require_tensor("seq_lens_kv", seq_lens_kv)
     if block_tables.dtype != torch.int32:
@@ -184,8 +196,11 @@ def validate_block_tables(block_tables: object, seq_lens_kv: object) -> tuple[to
         raise TypeError(f"seq_lens_kv must be int32, got {seq_lens_kv.dtype}")
     if _shape(seq_lens_kv) != (batch,):
         raise ValueError(f"seq_lens_kv must have shape [B]=[{batch}], got {_shape(seq_lens_kv)}")
-    if batch > 1 and seq_lens_kv.stride(0) != 1:
-        raise ValueError(f"seq_lens_kv must be contiguous, got stride {seq_lens_kv.stride()}")
+    if bind_seq_lens and batch > 1 and seq_lens_kv.stride(0) != 1:
+        raise ValueError(
+            f"seq_lens_kv must be contiguous with bind_seq_lens=True (the kernels read it in "
+            f"place), got stride {seq_lens_kv.stride()}"
+        )
     validate_device("seq_lens_kv", seq_lens_kv, block_tables.device)
     return block_tables, seq_lens_kv
 
@@ -365,15 +380,35 @@ def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
     return start, start + (extent + 1) * t.element_size() - 1
 
 
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (a stride-0 or interleaved view); from
+    shape and strides only. Dims of size > 1 in stride order: each stride must pass the last
+    element the inner dims reach (exotic non-overlapping interleavings also count as overlap)."""
+    if t.numel() == 0:
+        return False
+    reach = 0
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
 def validate_out(
     out: object, shape: tuple[int, ...], o_dtype: torch.dtype, device: torch.device,
     inputs: tuple[tuple[str, torch.Tensor], ...], input_spans: tuple[tuple[str, int, int], ...] = (),
 ) -> torch.Tensor:
-    """out: q's shape, the planned dtype and device, and no byte shared with any input.
+    """out: q's shape, the planned dtype and device, no element sharing memory with another and
+    no byte range overlapping any input's (first to last byte).
 
     inputs: (name, tensor) pairs; input_spans: (name, first byte, last byte) of inputs whose
     spans were taken once (the plan's own tensors)."""
     out = _validate_io_tensor("out", out, shape, "q's shape", o_dtype, device)
+    if overlaps_itself(out):
+        raise ValueError(
+            f"out must not overlap itself (a stride-0 or interleaved view would have requests or "
+            f"heads overwrite each other), got shape {list(out.shape)} strides {out.stride()}"
+        )
     span = byte_span(out)
     if span is None:
         return out
