@@ -292,6 +292,9 @@ BAD_FILES = {
     "negative_time": lambda text: text.replace('"time_us": 10.0', '"time_us": -1').encode(),
     "bad_bucket": lambda text: text.replace('"batch_size": 64', '"batch_size": 48').encode(),
     "bad_class_key": lambda text: text.replace("mask=dense", "mask=sparse").encode(),
+    # an int no float can hold: a format violation, not an OverflowError
+    "huge_number": lambda text: text.replace('"time_us": 10.0', '"time_us": 1' + "0" * 400).encode(),
+    "float_version": lambda text: json.dumps({**json.loads(text), "format_version": 1.0}).encode(),
 }
 
 
@@ -312,6 +315,86 @@ def test_bad_file_warns_once_and_is_skipped(kind, tmp_path, user_dir, caplog):
     assert str(bad) in msg and "ignored" in msg
     if kind == "wrong_version":
         assert "format_version is 99" in msg
+
+
+@pytest.mark.parametrize("explicit", ["config_dir", "env"])
+def test_a_bad_table_is_one_warning_even_when_nothing_else_matches(explicit, tmp_path, caplog,
+                                                                    monkeypatch):
+    """The bad file's own warning, not also "no tuned config table" for the same cause."""
+    bad = tmp_path / "explicit" / "NVIDIA_H200.json"
+    bad.parent.mkdir()
+    bad.write_bytes(BAD_FILES["truncated"](_valid_text(tmp_path)))
+    config_dir = bad.parent if explicit == "config_dir" else None
+    if explicit == "env":
+        monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(bad.parent))
+    for info in (None, H200):  # CPU: the explicit path only; H200: every source (all empty)
+        tables.clear_cache()
+        caplog.clear()
+        for _ in range(3):
+            assert tables.lookup(make_shape(), CPU, config_dir=config_dir, device_info=info) is None
+            assert select_config(make_shape(), CPU).source == "heuristic"
+        [msg] = messages(caplog)
+        assert str(bad) in msg and "not valid JSON" in msg
+
+
+@pytest.mark.parametrize("how", ["env", "set_config_path"])
+def test_a_config_path_that_does_not_exist_warns_once(how, tmp_path, user_dir, caplog,
+                                                      monkeypatch):
+    missing = tmp_path / "no" / "such" / "dir"
+    if how == "env":
+        monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(missing))
+    else:
+        tables.set_config_path(missing)
+    for _ in range(3):
+        assert tables.lookup(make_shape(), CPU) is None
+    [msg] = messages(caplog)
+    assert str(missing) in msg and "does not exist" in msg
+    assert ("$TSDECODE_CONFIG_DIR" if how == "env" else "set_config_path") in msg
+    assert "does not exist" in tables.explain(48, 6000, 32, 8, 128, device="cpu")
+    write(user_dir, num_warps=8)  # the search goes on to the next source
+    hit = tables.lookup(make_shape(), CPU, device_info=H200)
+    assert hit.kernel_config.num_warps == 8 and len(messages(caplog)) == 1
+
+
+@pytest.mark.parametrize("tuned_batch_size", [10**309, 10**6, 32, 65],
+                         ids=["1e309", "1e6", "32", "65"])
+def test_tuned_batch_size_outside_its_bucket_skips_the_entry(tuned_batch_size, tmp_path, caplog):
+    """Bucket 64 holds batch sizes 33..64: anything else would overflow or silently rescale the
+    splits. Load skips the entry (one warning); merge refuses to write one."""
+    key = tables.problem_class_key(make_shape())
+    good = dataclasses.replace(kept_default(make_entry(num_kv_splits=4)), tuned_batch_size=48)
+    path = write(tmp_path, entries={key: {(64, 8192): good}})
+    data = json.loads(path.read_text())
+    data["entries"][key][0]["tuned_batch_size"] = tuned_batch_size
+    path.write_text(json.dumps(data))
+    table = tables.load_table(path)
+    assert key not in table.entries and len(table.skipped) == 1
+    assert "tuned_batch_size" in table.skipped[0] and "bucket (64, 8192)" in table.skipped[0]
+    tables.set_config_path(tmp_path)
+    tables.set_device_info_override(H200)
+    for _ in range(2):
+        selected = select_config(make_shape(), CPU)  # B=48, L=6000: bucket (64, 8192)
+        assert selected.source == "heuristic"
+    [msg] = messages(caplog)
+    assert "1 entries are not valid" in msg and len(msg) < 600
+    bad = dataclasses.replace(good, tuned_batch_size=tuned_batch_size)
+    with pytest.raises(ValueError, match=r"tuned_batch_size .* bucket \(64, 8192\)"):
+        tables.merge_entries(path, H200, {key: {(64, 8192): bad}}, {})
+    for bucket, b in (((64, 8192), 33), ((64, 8192), 64), ((1, 64), 1)):  # the edges are fine
+        entry = dataclasses.replace(good, tuned_batch_size=b)
+        tables.merge_entries(path, H200, {key: {bucket: entry}}, {})
+
+
+def test_merge_moves_aside_a_table_holding_a_number_no_float_can_hold(tmp_path, caplog):
+    key = tables.problem_class_key(make_shape())
+    path = write(tmp_path)
+    path.write_text(path.read_text().replace('"time_us": 10.0', '"time_us": 1' + "0" * 400))
+    assert tables.load_table(path) is None
+    tables.merge_entries(path, H200, {key: {(1, 64): make_entry(8)}}, {})
+    assert set(tables.load_table(path).entries[key]) == {(1, 64)}
+    [aside] = tmp_path.glob("NVIDIA_H200.json.corrupt-*")
+    msgs = messages(caplog)
+    assert len(msgs) == 2 and "violates the format" in msgs[0] and str(aside) in msgs[1]
 
 
 def test_stale_table_warns_once_and_uses_only_valid_entries(tmp_path, caplog):

@@ -6,7 +6,10 @@ Timings in the interpreter mean nothing; these tests check the pipeline, not the
 
 from __future__ import annotations
 
+import csv
 import os
+import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -258,6 +261,89 @@ def test_recover_completes_a_running_trial_from_the_log(tmp_path):
         tuner.close()
 
 
+def _bare_tuner(out: Path) -> search.Tuner:
+    """A Tuner on ``out`` without a measuring client (storage, log and run lock only)."""
+    info = tables.DeviceInfo("CPU Triton interpreter", 132, (0, 0), 0)
+    paths = search.OutputPaths.for_device(out, info.name, None)
+    return search.Tuner(search.TuneSettings(), client=None, device_info=info,
+                        copy_bandwidth_gbs=None, paths=paths, progress=False)
+
+
+@cpu_only
+def test_recover_ignores_trial_records_from_before_a_storage_reset(tmp_path):
+    """Trial numbers restart in a new study DB: an old record of trial 0 must not complete the
+    new trial 0 that a crash left RUNNING."""
+    tuner = _bare_tuner(tmp_path)
+    try:
+        cfg = KernelConfig().to_dict()
+        tuner.log.write({"kind": "trial", "study": "s", "trial": 0, "state": "COMPLETE",
+                         "time_us": 12.5, "key": "k", "config": cfg, "measured": True})
+        tuner.log.write({"kind": "storage_reset", "storage": "x", "moved_to": "y"})
+        study = optuna.create_study(storage=tuner.storage, study_name="s")
+        trial = study.ask({"block_n": optuna.distributions.CategoricalDistribution([64])})
+        tuner._recover(study, "s")
+        assert study.get_trials(deepcopy=False)[trial.number].state.name == "FAIL"
+    finally:
+        tuner.close()
+
+
+def test_result_log_skips_damaged_lines(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"kind": "run"}\n\xff\xfe junk\n5\n[1]\n{"kind": "trial", "tri\n'
+                     b'{"kind": "final"}\n')
+    assert search.ResultLog.read(path) == [{"kind": "run"}, {"kind": "final"}]
+
+
+@cpu_only
+def test_a_second_tuner_on_the_same_study_exits_2(tmp_path, capsys):
+    """One run per study storage: the second neither touches the first's RUNNING trials nor
+    races it creating the DB. The lock dies with its holder: a leftover lock file is harmless."""
+    first = _bare_tuner(tmp_path)
+    try:
+        study = optuna.create_study(storage=first.storage, study_name="s")
+        live = study.ask({"block_n": optuna.distributions.CategoricalDistribution([64])})
+        with pytest.raises(search.StudyBusy, match="another tuner is using .*_study.db"):
+            _bare_tuner(tmp_path)
+        assert main([*TINY, "--trials", "2", "--out", str(tmp_path), "--isolation", "inline",
+                     *FAST]) == 2
+        err = capsys.readouterr().err
+        assert "tsdecode-tune: error: another tuner is using" in err and "different --out" in err
+        assert "Traceback" not in err and not _records(tmp_path)
+        assert study.get_trials(deepcopy=False)[live.number].state.name == "RUNNING"
+    finally:
+        first.close()
+    assert first.paths.lock.exists()
+    _bare_tuner(tmp_path).close()  # released on close; the file left behind blocks nothing
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; "
+                               "f = open(sys.argv[1], 'a+b'); fcntl.flock(f, fcntl.LOCK_EX); "
+                               "os.kill(os.getpid(), 9)", str(first.paths.lock)])
+    assert holder.wait(timeout=60) == -signal.SIGKILL
+    _bare_tuner(tmp_path).close()  # a killed holder's lock is gone with it
+
+
+@cpu_only
+def test_corrupt_study_db_is_moved_aside_and_finished_buckets_are_kept(smoke_out, tmp_path,
+                                                                        capsys):
+    out = tmp_path / "copy"
+    shutil.copytree(smoke_out, out)
+    (db,) = out.glob("*_study.db")
+    db.write_bytes(os.urandom(4096))
+    before = _records(out)
+    argv = ["--preset", "smoke", "--trials", "3", "--out", str(out), "--isolation", "inline", *FAST]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    (aside,) = out.glob("*_study.db.corrupt-*")
+    assert err.count("warning: study storage") == 1 and str(aside) in err and "Traceback" not in err
+    assert err.count("already tuned") == len(PRESETS["smoke"])  # from the log: nothing re-tuned
+    assert _records(out) == before  # nothing measured again
+    (table_path,) = out.glob("*.json")
+    assert sum(len(b) for b in tables.load_table(table_path).entries.values()) == len(PRESETS["smoke"])
+    assert all(s.user_attrs["final"]["ok"] for s in _studies(out))  # carried into the new DB
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err and err.count("already tuned") == len(PRESETS["smoke"])
+
+
 # ---- failing candidates ---------------------------------------------------------------------
 
 
@@ -368,12 +454,85 @@ def test_time_budget_stops_the_search_and_drops_slow_compiles(tmp_path):
     (["--block-n", "48"], "--block-n [48] not in"),
     (["--time-budget", "-3"], "expected a number > 0"),
     (["frobnicate"], "unrecognized arguments"),
+    (["--trial-timeout", "nan"], "--trial-timeout: expected a finite number, got 'nan'"),
+    (["--trial-timeout", "inf"], "--trial-timeout: expected a finite number, got 'inf'"),
+    (["--time-budget", "nan"], "--time-budget: expected a finite number, got 'nan'"),
+    ([*TINY, "--head-dim", "100"], "--head-dim: [100] not supported; one of [64, 96, 128"),
+    ([*TINY, "--kv-dtypes", "fp8"], "--kv-dtypes: unknown dtype(s) ['fp8']"),
+    ([*TINY, "--heads", "4:3"], "--heads: 4:3: HQ must be a multiple of HKV"),
 ])
 def test_cli_errors_exit_2_with_a_message(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())  # nothing written
+
+
+@cpu_only
+@pytest.mark.parametrize("body, message", [
+    ("head_dims = [64]", "[[grid]] 1: unknown key(s) ['head_dims']; the keys are"),
+    ('packed = "no"', "[[grid]] 1: packed: expected true or false, got 'no'"),
+    ("ragged = 1", "[[grid]] 1: ragged: expected true or false, got 1"),
+    ("seq_len_q = 1.5", "[[grid]] 1: seq_len_q: expected an integer >= 1, got 1.5"),
+    ("head_dim = 100", "[[grid]] 1: head_dim: [100] not supported"),
+    ('kv_dtypes = ["fp8"]', "[[grid]] 1: kv_dtypes: unknown dtype(s) ['fp8']"),
+    ('heads = "4-2"', "[[grid]] 1: heads: expected HQ:HKV pairs like 32:8, got '4-2'"),
+    ("heads = [4, 2]", "[[grid]] 1: heads: expected HQ:HKV pairs"),
+], ids=["unknown_key", "packed_str", "ragged_int", "seq_len_float", "head_dim_100", "fp8",
+        "heads_str", "heads_flat"])
+def test_cli_bad_grid_file_names_the_key(body, message, tmp_path, capsys):
+    grid = tmp_path / "grid.toml"
+    out = tmp_path / "out"
+    grid.write_text(f"[[grid]]\nbatch_sizes = [1]\nkv_lens = [40]\n{body}\n")
+    assert main(["--grid-file", str(grid), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{grid}: {message}" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+@cpu_only
+@pytest.mark.parametrize("lists, message", [
+    ("batch_sizes = [1.5]\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
+    ("batch_sizes = 5\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
+    ("batch_sizes = [1]\nkv_lens = [0]", "kv_lens: expected positive integers"),
+    ("batch_sizes = [1]", "needs both batch sizes and K/V lengths"),
+], ids=["float", "scalar", "zero", "missing"])
+def test_cli_grid_file_lists_must_be_positive_integers(lists, message, tmp_path, capsys):
+    grid = tmp_path / "grid.toml"
+    grid.write_text(f"[[grid]]\n{lists}\n")
+    assert main(["--grid-file", str(grid), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@cpu_only
+def test_cli_grid_file_accepts_toml_types(tmp_path):
+    from types import SimpleNamespace
+
+    from tuner.grids import specs_from_args
+
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[[grid]]\nbatch_sizes = [1, 3]\nkv_lens = "40"\nheads = [[4, 2]]\n'
+                    'head_dim = 64\nkv_dtypes = ["bfloat16", "float8_e4m3fn"]\npacked = false\n')
+    args = SimpleNamespace(preset=None, grid_file=str(grid), batch_sizes=None, kv_lens=None)
+    specs = specs_from_args(args)
+    assert [(s.batch_size, s.kv_dtype, s.q_dtype) for s in specs] == [
+        (1, "bfloat16", "bfloat16"), (3, "bfloat16", "bfloat16"),
+        (1, "float8_e4m3fn", "bfloat16"), (3, "float8_e4m3fn", "bfloat16")]
+    assert {(s.num_qo_heads, s.num_kv_heads, s.head_dim, s.kv_len) for s in specs} == {(4, 2, 64, 40)}
+
+
+@cpu_only
+def test_cli_out_that_is_a_file_exits_2_before_anything_starts(tmp_path, capsys):
+    target = tmp_path / "afile"
+    target.write_text("mine\n")
+    assert main([*TINY, "--out", str(target), "--isolation", "inline"]) == 2
+    assert main([*TINY, "--out", str(target / "sub"), "--isolation", "inline"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {target}: exists and is not a folder" in err
+    assert f"--out {target / 'sub'}: cannot create the folder" in err
+    assert "Traceback" not in err and "device:" not in err  # no worker was started
+    assert target.read_text() == "mine\n"
 
 
 @cpu_only
@@ -393,6 +552,104 @@ def test_cli_error_in_a_subprocess_has_no_traceback():
     assert r.returncode == 2
     assert "tsdecode-tune: error: unknown preset 'nope'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ---- report CSVs from elsewhere (tuner/report.py --from-csv / --compare) -----------------------
+
+
+def _report_rows() -> list[dict]:
+    """Two shapes x (heuristic, torch_sdpa), as a report run writes them (values invented)."""
+    rows = []
+    for b, t in ((1, 100.0), (3, 150.0)):
+        spec = ShapeSpec(b, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+        for impl, kind, scale in (("heuristic", "tsdecode", 1.0), ("torch_sdpa", "baseline", 2.0)):
+            us = t * scale
+            rows.append({
+                "shape": spec.name, **spec.to_dict(), "impl": impl, "impl_kind": kind,
+                "status": "ok", "timing_method": "cuda_graph", "copies": 1, "replays": 9,
+                "time_us_median": us, "time_us_min": 0.9 * us, "time_us_max": 1.1 * us,
+                "bytes_moved": 10**6, "achieved_gbs": 1e6 / us / 1e3, "copy_bw_gbs": 40.0,
+                "frac_copy_bw": 1e6 / us / 1e3 / 40.0, "rel_error": 1e-3, "tolerance": 2e-2,
+                "error_ok": True, "checked_requests": b, "gpu": "Test GPU", "num_sms": 132,
+            })
+    return rows
+
+
+def _write_report_csv(path: Path, rows: list[dict], drop=()) -> Path:
+    from tuner import report as R
+
+    cols = [c for c in R.columns_for(rows) if c not in drop]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([R._csv_value(r.get(c)) for c in cols])
+    return path
+
+
+def _report(argv, capsys) -> tuple[int, str]:
+    from tuner import report as R
+
+    code = R.main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+@pytest.mark.parametrize("change, code, message", [
+    ({}, 0, ""),
+    ({"rel_error": 0.5}, 1, "rel_error 5.00e-01 above 2e-02"),
+    ({"rel_error": None}, 0, ""),  # not checked: unknown, no problem
+    ({"status": "failed", "reason": None, "time_us_median": None}, 1, "failed (no reason recorded)"),
+], ids=["ok", "above_tolerance", "not_checked", "failed"])
+def test_report_from_csv_without_error_ok_derives_it(change, code, message, tmp_path, capsys):
+    rows = _report_rows()
+    rows[0].update(change)
+    for drop in ((), ("error_ok",)):  # an empty cell or no column: the same answer
+        if not drop:
+            rows[0]["error_ok"] = None
+        path = _write_report_csv(tmp_path / "results.csv", rows, drop)
+        got, err = _report(["--from-csv", str(path), "--out", str(tmp_path / "out")], capsys)
+        assert got == code, err
+        assert (message in err) if message else "tsdecode problem" not in err
+        assert err.count("tsdecode problem") == (1 if message else 0)
+
+
+def test_report_csv_without_required_columns_exits_2_naming_them(tmp_path, capsys):
+    good = _write_report_csv(tmp_path / "good.csv", _report_rows())
+    bad = _write_report_csv(tmp_path / "bad.csv", _report_rows(),
+                            drop=("kv_len", "frac_copy_bw", "time_us_min", "copy_bw_gbs"))
+    for argv in (["--from-csv", str(bad)], ["--compare", str(good), str(bad)]):
+        code, err = _report([*argv, "--out", str(tmp_path / "out")], capsys)
+        assert code == 2
+        assert f"{bad}: not a report CSV (missing column(s) ['kv_len', 'time_us_min', " \
+               "'copy_bw_gbs', 'frac_copy_bw'])" in err
+    rows = _report_rows()
+    rows[1]["batch_size"] = "8.0"
+    code, err = _report(["--from-csv", str(_write_report_csv(tmp_path / "int.csv", rows))], capsys)
+    assert code == 2 and "int.csv, line 3: column batch_size: expected an integer, got '8.0'" in err
+
+
+def test_report_rows_with_unusable_numbers_are_left_out_of_plots(tmp_path, capsys):
+    rows = _report_rows()
+    rows[0].update(time_us_median=float("nan"))
+    rows[1].update(time_us_median=-5.0)
+    rows[2].update(time_us_median=float("inf"), time_us_min=None)
+    rows[3].update(achieved_gbs=None, frac_copy_bw=float("nan"), time_us_min=None)
+    for r in rows:
+        r["copy_bw_gbs"] = None
+    path = _write_report_csv(tmp_path / "results.csv", rows)
+    good = _write_report_csv(tmp_path / "good.csv", _report_rows())
+    code, _ = _report(["--from-csv", str(path), "--out", str(tmp_path / "a")], capsys)
+    assert code == 0
+    page = (tmp_path / "a" / "report.html").read_text()
+    assert not re.search(r'\s[a-z0-9]+="[^"]*\b(nan|inf)\b', page)  # no SVG coordinate nan/inf
+    assert "not plotted on 1 shape(s): time_us_median nan is not a positive finite number" in page
+    assert "time_us_median -5.0 is not a positive finite number" in page
+    code, _ = _report(["--compare", str(good), str(path), "--out", str(tmp_path / "c")], capsys)
+    assert code == 0
+    assert not re.search(r'\s[a-z0-9]+="[^"]*\b(nan|inf)\b',
+                         (tmp_path / "c" / "compare.html").read_text())
 
 
 # ---- the search space -----------------------------------------------------------------------

@@ -301,7 +301,12 @@ def _is_int(v: object, minimum: int = 0) -> bool:
 
 
 def _is_number(v: object, positive: bool = False) -> bool:
-    ok = type(v) in (int, float) and math.isfinite(v)
+    if type(v) not in (int, float):
+        return False
+    try:
+        ok = math.isfinite(v)
+    except OverflowError:  # an int too large for a float (e.g. 1 followed by 400 zeros)
+        return False
     return ok and (v > 0 if positive else v >= 0)
 
 
@@ -357,7 +362,7 @@ _DEVICE_FIELDS = {
     "total_memory": (_is_int, "an int >= 0 (bytes)"),
 }
 _TOP_FIELDS = {
-    "format_version": (lambda v: v == FORMAT_VERSION, f"{FORMAT_VERSION}"),
+    "format_version": (lambda v: type(v) is int and v == FORMAT_VERSION, f"{FORMAT_VERSION}"),
     "device": (lambda v: isinstance(v, dict), "an object"),
     "triton_version": (_is_text, "a non-empty string"),
     "torch_version": (_is_text, "a non-empty string"),
@@ -386,11 +391,28 @@ def _check_fields(
     present = {k: v for k, v in optional.items() if k in data}
     for name, (check, what) in {**fields, **present}.items():
         if not check(data[name]):
-            _fail(f"{where}.{name}", f"expected {what}, got {data[name]!r}")
+            _fail(f"{where}.{name}", f"expected {what}, got {_brief(data[name])}")
 
 
 def _check_device(data: object, where: str) -> None:
     _check_fields(data, where, _DEVICE_FIELDS)
+
+
+def _brief(value: object) -> str:
+    """repr, shortened (a 400-digit number is named, not printed)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:24]}... ({len(text)} characters)"
+
+
+def _check_tuned_batch_size(bucket: tuple[int, int], entry: TableEntry) -> None:
+    """ValueError unless the entry's tuned_batch_size (if any) falls in its bucket:
+    ``bucket_of`` rounds B up to a power of two, so bucket b holds b/2 < B <= b."""
+    b = entry.tuned_batch_size
+    if b is not None and not bucket[0] // 2 < b <= bucket[0]:
+        raise ValueError(
+            f"tuned_batch_size {_brief(b)} is not a batch size of bucket {bucket} (expected "
+            f"{bucket[0] // 2} < tuned_batch_size <= {bucket[0]})"
+        )
 
 
 def validate_table_data(data: object) -> None:
@@ -402,7 +424,7 @@ def validate_table_data(data: object) -> None:
     if not isinstance(data, dict):
         _fail("table", f"expected a JSON object, got {type(data).__name__}")
     version = data.get("format_version")
-    if version != FORMAT_VERSION:
+    if type(version) is not int or version != FORMAT_VERSION:  # not 1.0 or true
         raise _VersionError(
             f"format_version is {version!r}, this tsdecode reads {FORMAT_VERSION}"
         )
@@ -617,28 +639,33 @@ def load_table(path: str | os.PathLike) -> Table | None:
     mtime or size changes, e.g. after an atomic replace). None if the file is missing or
     unusable; an unusable file (unreadable, not JSON, wrong format version, schema violation)
     logs one warning per file and cause."""
-    path = os.fspath(path)
+    return _load(os.fspath(path))[0]
+
+
+def _load(path: str) -> tuple[Table | None, bool]:
+    """(load_table's result, whether a file is there that could not be used: it was warned
+    about, so lookup's "no table" warning would be a second one for the same cause)."""
     try:
         st = os.stat(path)
     except OSError:
-        return None
+        return None, False
     cached = _tables.get(path)
     if cached is not None and cached[2] and cached[0] == _file_key(st):
-        return cached[1]
+        return cached[1], cached[1] is None
     with _lock:  # one parse even when many threads miss at once
         cached = _tables.get(path)
         if cached is not None and cached[2] and cached[0] == _file_key(st):
-            return cached[1]
+            return cached[1], cached[1] is None
         key, table, trusted = _read_table(path)
         if key is not None:
             _tables[path] = (key, table, trusted)
     if table is not None and table.skipped:
         _warn_once(
             ("skipped", path),
-            f"tuned config table {path}: {len(table.skipped)} entries are not valid configs "
-            f"today and are ignored (first: {table.skipped[0]})",
+            f"tuned config table {path}: {len(table.skipped)} entries are not valid today and "
+            f"are ignored (first: {table.skipped[0]})",
         )
-    return table
+    return table, table is None
 
 
 def _read_table(path: str) -> tuple[tuple[int, int, int, int] | None, Table | None, bool]:
@@ -699,7 +726,9 @@ def _table_from_data(path: str, data: object) -> Table:
             bucket = (record["batch_size"], record["kv_len"])
             fields = {k: v for k, v in record.items() if k not in ("batch_size", "kv_len")}
             try:
-                buckets[bucket] = TableEntry.from_dict(fields)
+                entry = TableEntry.from_dict(fields)
+                _check_tuned_batch_size(bucket, entry)
+                buckets[bucket] = entry
             except (ValueError, TypeError) as e:
                 skipped.append(f"{key} bucket {bucket}: {e}")
         if buckets:
@@ -764,21 +793,33 @@ def _conventional_file(folder: str, name: str) -> str:
 
 
 def _candidates(
-    source: str, explicit: bool, info: DeviceInfo | None, trace: list[str] | None
+    source: str, origin: str, explicit: bool, info: DeviceInfo | None, trace: list[str] | None,
+    warned: list[str],
 ) -> Iterator[tuple[Table, tuple[str, ...]]]:
     """Tables of one source that match the device, best first, with the notes of the match.
 
     Known device: exact name (the conventional file name first), then same compute capability
     and SM count (sorted by file name). Unknown device (no CUDA properties; explicit path only):
-    every table. An explicit source may be a single file.
+    every table. An explicit source may be a single file; one that does not exist is warned
+    about once. Paths warned about (unusable files, a missing explicit path) go to ``warned``.
     """
     if explicit and not os.path.isdir(source):
+        if not os.path.exists(source):
+            _warn_once(("no path", source),
+                       f"tuned config path {source} ({origin}) does not exist; no table read "
+                       "from it")
+            warned.append(source)
+            if trace is not None:
+                trace.append(f"    {source}: does not exist")
+            return
         first, files = None, [source]
     else:
         first = _conventional_file(source, info.name) if info is not None else None
         files = None  # listed only if the conventional file does not settle it
     if first is not None:
-        table = load_table(first)
+        table, unusable = _load(first)
+        if unusable:
+            warned.append(first)
         if table is not None and table.device.name == info.name:
             yield table, _exact_notes(table, info)
         elif trace is not None:
@@ -787,7 +828,9 @@ def _candidates(
         files = [f for f in _json_files(source) if f != first]
     exact, variants = [], []
     for path in files:
-        table = load_table(path)
+        table, unusable = _load(path)
+        if unusable:
+            warned.append(path)
         if table is None:
             if trace is not None:
                 trace.append(f"    {path}: missing or unusable (see warnings)")
@@ -848,12 +891,13 @@ def _resolve(
     key = problem_class_key(shape)
     bucket = bucket_of(shape.batch_size, shape.max_kv_len)
     matched = False
-    searched = []
+    searched: list[str] = []
+    warned: list[str] = []
     for origin, source, is_explicit in _sources(explicit, origin, info):
         searched.append(source)
         if trace is not None:
             trace.append(f"  {origin}: {source}")
-        for table, match_notes in _candidates(source, is_explicit, info, trace):
+        for table, match_notes in _candidates(source, origin, is_explicit, info, trace, warned):
             matched = True
             for note in table.stale:
                 _warn_once(
@@ -873,7 +917,7 @@ def _resolve(
             if trace is not None:
                 trace.append(f"    {table.path}: bucket {best} -> hit")
             return TableHit(entry.kernel_config, table.path, best, notes, entry)
-    if not matched:
+    if not matched and not warned:  # else the cause has had its one warning
         if info is not None:
             _warn_once(
                 ("missing", info.name),
@@ -983,6 +1027,10 @@ def _check_new_entries(entries: Mapping[str, Mapping[tuple[int, int], TableEntry
                 raise TypeError(
                     f"{key} {bucket}: expected a TableEntry, got {type(entry).__name__}"
                 )
+            try:
+                _check_tuned_batch_size(bucket, entry)
+            except ValueError as e:
+                raise ValueError(f"{key} {bucket}: {e}") from None
 
 
 def _existing_for_merge(path: Path, device: DeviceInfo) -> tuple[dict, str | None]:
@@ -993,7 +1041,8 @@ def _existing_for_merge(path: Path, device: DeviceInfo) -> tuple[dict, str | Non
     try:
         data = json.loads(path.read_bytes())
         table = _table_from_data(str(path), data)
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8, the format
+    # ValueError: JSON, UTF-8, the format; ArithmeticError: a number no float can hold
+    except (OSError, ValueError, RecursionError, ArithmeticError) as e:
         moved = _move_aside(path, "corrupt")
         logger.warning(f"tuned config table {path} is unusable ({e}); moved aside to {moved} "
                        "and written afresh")

@@ -13,6 +13,7 @@ are then wall-clock and meaningless; the mode exists to exercise the pipeline (t
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -88,7 +89,8 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _bounded(kind: type, minimum: float, strict: bool):
-    """An argparse type: ``kind`` (int or float) at least ``minimum`` (above it if ``strict``)."""
+    """An argparse type: ``kind`` (int or float; finite) at least ``minimum`` (above it if
+    ``strict``)."""
     noun = "an integer" if kind is int else "a number"
 
     def parse(text: str):
@@ -96,6 +98,8 @@ def _bounded(kind: type, minimum: float, strict: bool):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not math.isfinite(value):  # nan, inf: "no limit" is spelled by leaving the flag out
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
         if value < minimum or (strict and value == minimum):
             raise argparse.ArgumentTypeError(
                 f"expected {noun} {'>' if strict else '>='} {minimum}, got {text!r}"
@@ -224,6 +228,22 @@ def _no_grid_given(args) -> bool:
     return not (args.preset or args.grid_file or args.batch_sizes or args.kv_lens)
 
 
+def _output_dir(args) -> Path:
+    """--out (default: the user table folder), created now: before the worker starts, so that a
+    path that cannot be a folder is a usage error."""
+    from tsdecode import tables
+
+    out_dir = Path(args.out) if args.out else tables.user_config_dir()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UsageError(f"{PROG}: error: --out {out_dir}: exists and is not a folder")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"{PROG}: error: --out {out_dir}: cannot create the folder "
+                         f"({e.strerror or e})") from None
+    return out_dir
+
+
 def run_tune(args, device: str) -> int:
     cpu = device == "cpu"
     from .grids import specs_from_args
@@ -245,12 +265,11 @@ def run_tune(args, device: str) -> int:
             load_hook(args.inject_hook)
         except Exception as e:
             raise UsageError(f"{PROG}: error: --inject-hook: {e}") from None
+    out_dir = _output_dir(args)
 
     import warnings
 
     import optuna
-
-    from tsdecode import tables
 
     from . import runner, search
 
@@ -285,9 +304,7 @@ def run_tune(args, device: str) -> int:
             hello = client.call("hello")
         device_info = runner.device_info_from_dict(hello["device"])
         copy_bw = hello["copy_bandwidth_gbs"]
-        out_dir = Path(args.out) if args.out else tables.user_config_dir()
         paths = search.OutputPaths.for_device(out_dir, device_info.name, args.storage)
-        out_dir.mkdir(parents=True, exist_ok=True)
         echo(f"device: {device_info.describe()}; copy bandwidth {copy_bw:.0f} GB/s"
              + (" (host memory, wall-clock)" if cpu else ""))
         echo(f"grid: {len(specs)} shapes in {len(buckets)} buckets; {args.trials} configs per "
@@ -308,6 +325,8 @@ def run_tune(args, device: str) -> int:
     except runner.WorkerUnavailable as e:
         echo(f"{PROG}: error: {e}")
         return 1
+    except search.StudyBusy as e:
+        raise UsageError(f"{PROG}: error: {e}") from None
     except KeyboardInterrupt:
         echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
         return 130

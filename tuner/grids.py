@@ -145,7 +145,7 @@ def _heads_list(text: str) -> list[tuple[int, int]]:
         try:
             hq, hkv = (int(x) for x in item.split(":"))
         except ValueError:
-            raise ValueError(f"--heads expects HQ:HKV pairs like 32:8, got {item!r}") from None
+            raise ValueError(f"expected HQ:HKV pairs like 32:8, got {item!r}") from None
         pairs.append((hq, hkv))
     return pairs
 
@@ -173,31 +173,140 @@ def add_grid_arguments(parser) -> None:
     g.add_argument("--ragged", action="store_true", help="custom grid: ragged K/V lengths")
 
 
-def _custom_grid(opts: dict) -> list[ShapeSpec]:
-    def get(key, default=None):
-        return opts.get(key, default)
+# The keys of a custom grid: the flags without "--" (and "-" as "_"), and of a [[grid]] table.
+GRID_KEYS = ("batch_sizes", "kv_lens", "heads", "head_dim", "page_sizes", "kv_dtypes", "q_dtype",
+             "seq_len_q", "packed", "mask", "window_left", "ragged")
 
-    batch_sizes = get("batch_sizes")
-    kv_lens = get("kv_lens")
-    if batch_sizes is None or kv_lens is None:
-        raise ValueError("a custom grid needs both batch sizes and K/V lengths")
-    as_ints = lambda v: _int_list(v) if isinstance(v, str) else [int(x) for x in v]
-    heads = get("heads", "32:8")
-    heads = _heads_list(heads) if isinstance(heads, str) else [tuple(h) for h in heads]
-    kv_dtypes = get("kv_dtypes", "bfloat16")
-    kv_dtypes = kv_dtypes.split(",") if isinstance(kv_dtypes, str) else list(kv_dtypes)
+
+def _ints(value, what: str, single: bool = False) -> list[int]:
+    """Positive ints from "1,8,64" or a TOML array [1, 8, 64] (or one int if ``single``)."""
+    if isinstance(value, str):
+        try:
+            return _int_list(value)
+        except ValueError as e:
+            raise ValueError(f"{what}: {e}") from None
+    if single and type(value) is int:
+        value = [value]
+    if not (isinstance(value, list) and value and all(type(v) is int for v in value)):
+        raise ValueError(f"{what}: expected a list of integers like [1, 8] or \"1,8\", got "
+                         f"{value!r}")
+    if min(value) < 1:
+        raise ValueError(f"{what}: expected positive integers, got {value!r}")
+    return value
+
+
+def _heads(value, what: str) -> list[tuple[int, int]]:
+    """(HQ, HKV) pairs from "32:8,64:8" or a TOML array [[32, 8], [64, 8]] (or ["32:8"])."""
+    items = [value] if isinstance(value, str) else value
+    pairs = []
+    if isinstance(items, list) and items:
+        for item in items:
+            if isinstance(item, str):
+                try:
+                    pairs += _heads_list(item)
+                except ValueError as e:
+                    raise ValueError(f"{what}: {e}") from None
+            elif isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item):
+                pairs.append((item[0], item[1]))
+            else:
+                break
+        else:
+            return pairs
+    raise ValueError(f"{what}: expected HQ:HKV pairs like \"32:8,64:8\" or [[32, 8], [64, 8]], "
+                     f"got {value!r}")
+
+
+def _dtype_names(value, what: str, single: bool = False) -> list[str]:
+    """dtype names from "bfloat16,float16" or a TOML array (one name if ``single``)."""
+    names = value.split(",") if isinstance(value, str) and not single else value
+    names = [names] if single else names
+    if not (isinstance(names, list) and names and all(isinstance(n, str) for n in names)):
+        raise ValueError(f"{what}: expected {'a dtype name' if single else 'dtype names'}, got "
+                         f"{value!r}")
+    bad = [n for n in names if n.strip() not in DTYPES]
+    if bad:
+        raise ValueError(f"{what}: unknown dtype(s) {bad}; one of {list(DTYPES)}")
+    return [n.strip() for n in names]
+
+
+def _scalar(value, what: str, kind: type, minimum: int | None = None):
+    """An int (at least ``minimum``) or a bool, strictly: TOML's "no" or 1.5 are errors."""
+    ok = type(value) is kind and (minimum is None or value >= minimum)
+    if not ok:
+        noun = "true or false" if kind is bool else f"an integer >= {minimum}"
+        raise ValueError(f"{what}: expected {noun}, got {value!r}")
+    return value
+
+
+def _custom_grid(opts: dict, where: str = "") -> list[ShapeSpec]:
+    """The shapes of one custom grid (GRID_KEYS; batch_sizes and kv_lens required).
+
+    ``where`` is "" for the command line (keys are named as flags) or the location of a
+    [[grid]] table ("grid.toml: [[grid]] 2: "; keys are named as in the file). Raises
+    ValueError naming the key for an unknown key, a wrong type or an unsupported value
+    (head_dim, page size and group size as ``tsdecode.validation`` checks them).
+    """
+    from tsdecode import validation as V
+
+    def name(key: str) -> str:
+        return f"{where}{key}" if where else "--" + key.replace("_", "-")
+
+    unknown = [k for k in opts if k not in GRID_KEYS]
+    if unknown:
+        raise ValueError(f"{where}unknown key(s) {unknown}; the keys are {list(GRID_KEYS)}")
+
+    def get(key, default=None):
+        value = opts.get(key)
+        return default if value is None else value
+
+    if get("batch_sizes") is None or get("kv_lens") is None:
+        raise ValueError(f"{where}a custom grid needs both batch sizes and K/V lengths")
+    batch_sizes = _ints(get("batch_sizes"), name("batch_sizes"))
+    kv_lens = _ints(get("kv_lens"), name("kv_lens"))
+    heads = _heads(get("heads", "32:8"), name("heads"))
+    head_dims = _ints(get("head_dim", "128"), name("head_dim"), single=True)
+    page_sizes = _ints(get("page_sizes", "16"), name("page_sizes"))
+    kv_dtypes = _dtype_names(get("kv_dtypes", "bfloat16"), name("kv_dtypes"))
+    bad = [n for n in kv_dtypes if DTYPES[n] not in V.KV_DTYPES]
+    if bad:
+        raise ValueError(f"{name('kv_dtypes')}: {bad} cannot be a K/V cache dtype; one of "
+                         f"{[dtype_name(d) for d in V.KV_DTYPES]}")
+    q_given = get("q_dtype") is not None
+    q_dtype = _dtype_names(get("q_dtype"), name("q_dtype"), single=True)[0] if q_given else None
+    seq_len_q = _scalar(get("seq_len_q", 1), name("seq_len_q"), int, 1)
+    window_left = _scalar(get("window_left", -1), name("window_left"), int, -1)
+    packed = _scalar(get("packed", False), name("packed"), bool)
+    ragged = _scalar(get("ragged", False), name("ragged"), bool)
+    mask = get("mask", "dense")
+    if mask not in ("dense", "causal"):
+        raise ValueError(f"{name('mask')}: expected 'dense' or 'causal', got {mask!r}")
+    if window_left >= 0 and mask != "causal":
+        raise ValueError(f"{name('window_left')} {window_left} needs {name('mask')} causal")
+    for hq, hkv in heads:
+        if hq < 1 or hkv < 1 or hq % hkv or hq // hkv > V.MAX_GROUP_SIZE:
+            raise ValueError(f"{name('heads')}: {hq}:{hkv}: HQ must be a multiple of HKV (both "
+                             f">= 1) with HQ/HKV <= {V.MAX_GROUP_SIZE}")
+    bad = [d for d in head_dims if d not in V.SUPPORTED_HEAD_DIMS]
+    if bad:
+        raise ValueError(f"{name('head_dim')}: {bad} not supported; one of "
+                         f"{list(V.SUPPORTED_HEAD_DIMS)}")
+    bad = [p for p in page_sizes if p > V.MAX_PAGE_SIZE]
+    if bad:
+        raise ValueError(f"{name('page_sizes')}: {bad} above the largest page size, "
+                         f"{V.MAX_PAGE_SIZE}")
     specs = []
-    for (hq, hkv), d, p, kv_dtype in itertools.product(
-        heads, as_ints(get("head_dim", "128")), as_ints(get("page_sizes", "16")), kv_dtypes
-    ):
-        q_dtype = get("q_dtype") or ("bfloat16" if kv_dtype == "float8_e4m3fn" else kv_dtype)
-        o_dtype = "bfloat16" if q_dtype == "float8_e4m3fn" else q_dtype
+    for (hq, hkv), d, p, kv_dtype in itertools.product(heads, head_dims, page_sizes, kv_dtypes):
+        q = q_dtype or ("bfloat16" if kv_dtype == "float8_e4m3fn" else kv_dtype)
+        o_dtype = "bfloat16" if q == "float8_e4m3fn" else q
+        try:
+            V.resolve_dtypes(DTYPES[q], DTYPES[kv_dtype], DTYPES[o_dtype])
+        except (TypeError, ValueError) as e:
+            with_q = f" with {name('q_dtype')} {q}" if q_given else ""
+            raise ValueError(f"{name('kv_dtypes')} {kv_dtype}{with_q}: {e}") from None
         specs += grid(
-            as_ints(batch_sizes), as_ints(kv_lens), num_qo_heads=hq, num_kv_heads=hkv,
-            head_dim=d, page_size=p, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
-            seq_len_q=int(get("seq_len_q", 1)), packed=bool(get("packed", False)),
-            mask_type=get("mask", "dense"), window_left=int(get("window_left", -1)),
-            ragged=bool(get("ragged", False)),
+            batch_sizes, kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=p,
+            q_dtype=q, kv_dtype=kv_dtype, o_dtype=o_dtype, seq_len_q=seq_len_q, packed=packed,
+            mask_type=mask, window_left=window_left, ragged=ragged,
         )
     return specs
 
@@ -212,12 +321,17 @@ def specs_from_args(args) -> list[ShapeSpec]:
         import tomllib
 
         with open(args.grid_file, "rb") as f:
-            data = tomllib.load(f)
+            data = tomllib.load(f)  # TOMLDecodeError is a ValueError
         tables = data.get("grid")
-        if not isinstance(tables, list) or not tables:
-            raise ValueError(f"{args.grid_file}: expected one or more [[grid]] tables")
-        for table in tables:
-            specs += _custom_grid(table)
+        others = [k for k in data if k != "grid"]
+        if not isinstance(tables, list) or not tables or others:
+            extra = f" (unknown top-level key(s) {others})" if others else ""
+            raise ValueError(f"{args.grid_file}: expected one or more [[grid]] tables{extra}")
+        for i, table in enumerate(tables, 1):
+            where = f"{args.grid_file}: [[grid]] {i}: "
+            if not isinstance(table, dict):
+                raise ValueError(f"{where}expected a table of keys, got {table!r}")
+            specs += _custom_grid(table, where)
     if args.batch_sizes or args.kv_lens:
         specs += _custom_grid({
             "batch_sizes": args.batch_sizes, "kv_lens": args.kv_lens, "heads": args.heads,

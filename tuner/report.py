@@ -50,6 +50,12 @@ INT_COLUMNS = {"batch_size", "kv_len", "num_qo_heads", "num_kv_heads", "head_dim
 BOOL_COLUMNS = {"packed", "ragged", "error_ok"}
 FLOAT_COLUMNS = {"time_us_median", "time_us_min", "time_us_max", "achieved_gbs", "copy_bw_gbs",
                  "frac_copy_bw", "rel_error", "tolerance"}
+# What re-rendering, comparing and the exit code read from a CSV (the rest is optional). Cells
+# of CELL_COLUMNS are never empty; the others are empty where a row did not run.
+CELL_COLUMNS = ("shape",) + SPEC_FIELDS + ("impl", "impl_kind", "status")
+REQUIRED_COLUMNS = CELL_COLUMNS + ("time_us_median", "time_us_min", "time_us_max", "achieved_gbs",
+                                   "copy_bw_gbs", "frac_copy_bw")
+TEXT_COLUMNS = ("reason", "timing_note", "config_note", "impl_note", "config_source")
 CUDA_GRAPH = "cuda_graph"
 CUDA_EAGER = "cuda_events_eager"
 INTERPRETER = "wall_clock_interpreter"
@@ -66,6 +72,9 @@ IMPL_COLORS = {RUNTIME: "#4e79a7", "tuned": "#4e79a7", "heuristic": "#a0cbe8",
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tsdecode-tune report`` (and ``python -m tuner.report``)."""
+    from .cli import _bounded  # finite numbers only: nan or inf would be no limit or no time
+
+    positive, nonneg = _bounded(float, 0, strict=True), _bounded(float, 0, strict=False)
     add_grid_arguments(parser)
     g = parser.add_argument_group("report")
     g.add_argument("--out", default=None,
@@ -75,13 +84,13 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--impls", default="all",
                    help=f"comma-separated implementations (default all): {', '.join(I.IMPLS)}")
     g.add_argument("--device", default=None, help="cuda (default when available) or cpu (interpreter)")
-    g.add_argument("--replay-ms", type=float, default=80.0,
+    g.add_argument("--replay-ms", type=positive, default=80.0,
                    help="CUDA-graph replay time per measurement (the anchors use 80)")
     g.add_argument("--cpu-repeats", type=int, default=1, help="timed calls per case on CPU")
     g.add_argument("--check-requests", type=int, default=2,
                    help="requests compared with the float64 reference per shape (the first N)")
-    g.add_argument("--copy-gib", type=float, default=2.0, help="buffer size of the copy-bandwidth test")
-    g.add_argument("--budget-s", type=float, default=None, metavar="SECONDS",
+    g.add_argument("--copy-gib", type=positive, default=2.0, help="buffer size of the copy-bandwidth test")
+    g.add_argument("--budget-s", type=nonneg, default=None, metavar="SECONDS",
                    help="start no new shape after this many seconds (the rest: skipped rows)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--title", default=None, help="page title")
@@ -406,30 +415,70 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
             w.writerow([_csv_value(r.get(c)) for c in cols])
 
 
+def _cell(k: str, v: str):
+    """A CSV cell as its column's type; ValueError if it is not one."""
+    try:
+        if k in INT_COLUMNS:
+            return int(v)
+        if k in FLOAT_COLUMNS or k.startswith("speedup_vs_"):
+            return float(v)
+    except ValueError:
+        raise ValueError(f"expected {'an integer' if k in INT_COLUMNS else 'a number'}, got "
+                         f"{v!r}") from None
+    if k in BOOL_COLUMNS:
+        low = v.lower()
+        if low not in ("true", "1", "yes", "false", "0", "no"):
+            raise ValueError(f"expected true or false, got {v!r}")
+        return low in ("true", "1", "yes")
+    return v
+
+
 def read_csv(path: str | Path) -> list[dict]:
-    """Rows of a results.csv with typed values (None for empty cells)."""
+    """Rows of a results.csv with typed values (None for empty cells).
+
+    Raises ValueError for a file that is not a report CSV: missing REQUIRED_COLUMNS (all named),
+    an empty cell of CELL_COLUMNS or a cell not of its column's type (line and column named).
+    An empty or absent error_ok is derived as rel_error <= tolerance, as the benchmark does
+    (None when either is unknown).
+    """
     rows = []
-    with open(path, newline="") as f:
-        for raw in csv.DictReader(f):
-            row: dict = {}
-            for k, v in raw.items():
-                if v is None or v == "":
-                    row[k] = None if k not in ("reason", "timing_note", "config_note", "impl_note",
-                                               "config_source") else ""
-                elif k in INT_COLUMNS:
-                    row[k] = int(v)
-                elif k in BOOL_COLUMNS:
-                    row[k] = v.lower() in ("true", "1", "yes")
-                elif k in FLOAT_COLUMNS or k.startswith("speedup_vs_"):
-                    row[k] = float(v)
-                else:
-                    row[k] = v
-            rows.append(row)
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            if not header:
+                raise ValueError(f"{path}: empty file, not a report CSV")
+            missing = [c for c in REQUIRED_COLUMNS if c not in header]
+            if missing:
+                raise ValueError(f"{path}: not a report CSV (missing column(s) {missing})")
+            for raw in reader:
+                where = f"{path}, line {reader.line_num}"
+                row: dict = {}
+                for k, v in raw.items():
+                    if k is None:  # more cells than the header has columns
+                        raise ValueError(f"{where}: more cells than columns")
+                    if v is None or v == "":
+                        row[k] = "" if k in TEXT_COLUMNS else None
+                        continue
+                    try:
+                        row[k] = _cell(k, v)
+                    except ValueError as e:
+                        raise ValueError(f"{where}: column {k}: {e}") from None
+                empty = [c for c in CELL_COLUMNS if row.get(c) is None]
+                if empty:
+                    raise ValueError(f"{where}: empty cell(s) in column(s) {empty}")
+                try:
+                    spec_of(row)
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+                if row.get("error_ok") is None:
+                    err, tol = row.get("rel_error"), row.get("tolerance")
+                    row["error_ok"] = None if err is None or tol is None else bool(err <= tol)
+                rows.append(row)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text CSV ({e})") from None
     if not rows:
         raise ValueError(f"{path}: no rows")
-    missing = [c for c in ("shape", "impl", "status", "time_us_median") if c not in rows[0]]
-    if missing:
-        raise ValueError(f"{path}: not a report CSV (missing columns {missing})")
     return rows
 
 
@@ -451,8 +500,18 @@ def geomean(values: Iterable[float]) -> float | None:
     return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
 
 
+def _finite(v: object) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _positive(v: object) -> bool:
+    return _finite(v) and v > 0
+
+
 def ok(row: dict | None) -> bool:
-    return bool(row) and row.get("status") == "ok" and row.get("time_us_median") is not None
+    """The row ran and has a usable time (a positive finite median: a CSV may hold nan, inf or
+    worse, which plots cannot show; such rows are listed under "Not run" as not plotted)."""
+    return bool(row) and row.get("status") == "ok" and _positive(row.get("time_us_median"))
 
 
 class Table:
@@ -534,12 +593,13 @@ def summary(t: Table) -> dict:
     for b in t.baselines:
         pairs = [t.time(s, b) / t.time(s, RUNTIME) for s in shapes if t.time(s, b) and t.time(s, RUNTIME)]
         out["vs"][b] = (geomean(pairs), len(pairs))
-    fracs = [t.runtime(s)["frac_copy_bw"] for s in shapes if t.runtime(s)]
+    fracs = [t.runtime(s).get("frac_copy_bw") for s in shapes if t.runtime(s)]
+    fracs = [f for f in fracs if _finite(f)]
     out["above"] = sum(1 for f in fracs if f >= GOOD_FRACTION)
     out["measured"] = len(fracs)
     checked = [r for r in t.rows if ok(r)]
     out["checked"] = len(checked)
-    out["wrong"] = [r for r in checked if not r.get("error_ok")]
+    out["wrong"] = [r for r in checked if r.get("error_ok") is False]  # None: not checked
     out["wrong_tsdecode"] = [r for r in out["wrong"] if r.get("impl_kind") == "tsdecode"]
     out["failed"] = [r for r in t.rows if r.get("status") == "failed"]
     errs = [r["rel_error"] for r in checked if r.get("impl_kind") == "tsdecode" and r.get("rel_error") is not None]
@@ -580,6 +640,9 @@ def _summary_html(t: Table) -> str:
     for r in t.rows:
         if r.get("status") in ("skipped", "failed"):
             notes[(r["impl"], r["status"], r.get("reason") or "")].append(r["shape"])
+        elif r.get("status") == "ok" and not ok(r):
+            why = f"time_us_median {r.get('time_us_median')} is not a positive finite number"
+            notes[(r["impl"], "not plotted", why)].append(r["shape"])
     if notes:
         items = []
         for (impl, status, reason), shapes in notes.items():
@@ -593,17 +656,22 @@ def _bw_chart(t: Table, shapes: Sequence[str], title: str, y_max: float | None =
     by_batch: dict[int, list] = defaultdict(list)
     for s in shapes:
         r = t.runtime(s)
-        if r:
+        if r and _positive(r.get("achieved_gbs")):
             by_batch[t.specs[s].batch_size].append((t.specs[s].kv_len, r["achieved_gbs"], s, r))
     series = []
     for i, (b, pts) in enumerate(sorted(by_batch.items())):
-        tips = [f"{s} ({r['impl']}): {r['achieved_gbs']:.0f} GB/s, {100 * r['frac_copy_bw']:.0f}% of copy, "
-                f"{r['time_us_median']:.1f} us" for _, _, s, r in pts]
+        tips = []
+        for _, _, s, r in pts:
+            frac = r.get("frac_copy_bw")
+            copy = f", {100 * frac:.0f}% of copy" if _finite(frac) else ""
+            tips.append(f"{s} ({r['impl']}): {r['achieved_gbs']:.0f} GB/s{copy}, "
+                        f"{r['time_us_median']:.1f} us")
         series.append(H.Series(f"B={b}", [(x, y) for x, y, _, _ in pts], H.PALETTE[i % len(H.PALETTE)],
                                tooltips=tips))
     peak = t.meta["copy_bw_gbs"]
     hlines = [H.HLine(peak, f"copy bandwidth {H.fmt_num(peak)} GB/s"),
-              H.HLine(GOOD_FRACTION * peak, f"{100 * GOOD_FRACTION:.0f}%", color="#888", dash="2 3")]
+              H.HLine(GOOD_FRACTION * peak, f"{100 * GOOD_FRACTION:.0f}%", color="#888", dash="2 3")
+              ] if _positive(peak) else []
     return H.line_chart(series, title=title, x_label="K/V length per request (tokens, log2 scale)",
                         y_label="achieved bandwidth (GB/s)", hlines=hlines, legend_title="batch size",
                         y_max=y_max)
@@ -641,7 +709,9 @@ def _frac_cell(t: Table, s: str) -> H.Cell | None:
     r = t.runtime(s)
     if not r:
         return H.Cell("", "n/a", f"{s}: tsdecode did not run")
-    f = r["frac_copy_bw"]
+    f = r.get("frac_copy_bw")
+    if not (_finite(f) and _finite(r.get("achieved_gbs"))):
+        return H.Cell("", "n/a", f"{s}: no bandwidth recorded ({r['impl']})")
     return H.Cell(H.sequential_color(f), f"{100 * f:.0f}%",
                   f"{s}: {r['achieved_gbs']:.0f} GB/s, {r['time_us_median']:.1f} us ({r['impl']})")
 
@@ -687,7 +757,8 @@ def _table_html(t: Table) -> str:
     rows = []
     for r in t.rows:
         row = dict(r)
-        row["range"] = (f"{r['time_us_min']:.1f}–{r['time_us_max']:.1f}" if ok(r) else "")
+        lo, hi = r.get("time_us_min"), r.get("time_us_max")
+        row["range"] = f"{lo:.1f}–{hi:.1f}" if ok(r) and _finite(lo) and _finite(hi) else ""
         row["cfg"] = _config_short(r.get("config"))
         row["why"] = r.get("reason") or r.get("impl_note") or r.get("config_note") or ""
         rows.append(row)
@@ -709,7 +780,7 @@ def _table_html(t: Table) -> str:
     def cls(r):
         if r.get("status") != "ok":
             return r.get("status") or ""
-        return "" if r.get("error_ok") else "wrong"
+        return "wrong" if r.get("error_ok") is False else ""
 
     return H.table(cols, rows, row_class=cls)
 
@@ -786,8 +857,10 @@ def render_compare(rows_a: Sequence[dict], rows_b: Sequence[dict], label_a: str,
         fams[family_of(a.specs[s])].append(s)
     parts.append("<h2>Bandwidth, side by side</h2>")
     for fam, fs in fams.items():
-        top = max([a.meta["copy_bw_gbs"], b.meta["copy_bw_gbs"]]
-                  + [t.runtime(s)["achieved_gbs"] for t in (a, b) for s in fs if t.runtime(s)]) * 1.08
+        tops = [v for v in [a.meta["copy_bw_gbs"], b.meta["copy_bw_gbs"]]
+                + [t.runtime(s).get("achieved_gbs") for t in (a, b) for s in fs if t.runtime(s)]
+                if _positive(v)]
+        top = max(tops) * 1.08 if tops else None
         parts.append("<div class='charts'>")
         parts.append(_bw_chart(a, fs, f"A ({label_a}), {fam}", y_max=top))
         parts.append(_bw_chart(b, fs, f"B ({label_b}), {fam}", y_max=top))
@@ -893,12 +966,22 @@ def _labels(path_a: str, path_b: str) -> tuple[str, str]:
 
 
 def _exit_code(rows: Sequence[dict]) -> int:
-    bad = [r for r in rows if r.get("impl_kind") == "tsdecode"
-           and (r.get("status") == "failed" or (r.get("status") == "ok" and not r.get("error_ok")))]
-    for r in bad:
-        what = r.get("reason") or f"rel_error {r['rel_error']:.2e} above {r['tolerance']:.0e}"
-        print(f"tsdecode problem: {r['shape']} {r['impl']}: {what}",
-              file=sys.stderr)
+    """1 if a tsdecode row failed or is above the error tolerance (error_ok false; unknown,
+    e.g. never checked, is no problem), each printed; else 0."""
+    bad = 0
+    for r in rows:
+        if r.get("impl_kind") != "tsdecode":
+            continue
+        if r.get("status") == "failed":
+            what = r.get("reason") or "failed (no reason recorded)"
+        elif r.get("status") == "ok" and r.get("error_ok") is False:
+            err, tol = r.get("rel_error"), r.get("tolerance")
+            what = (f"rel_error {err:.2e} above {tol:.0e}" if err is not None and tol is not None
+                    else "error_ok is false")
+        else:
+            continue
+        bad += 1
+        print(f"tsdecode problem: {r['shape']} {r['impl']}: {what}", file=sys.stderr)
     return 1 if bad else 0
 
 

@@ -16,7 +16,10 @@ and a winner is kept only if it beats the default by more than the measured nois
 
 Crash safety: every finished trial is appended (flushed, fsynced) to ``<gpu>_trials.jsonl``
 before it is told to the study storage; on resume, trials left RUNNING are completed from that
-log when it has them, else marked FAIL and re-sampled.
+log when it has them, else marked FAIL and re-sampled. A run holds an exclusive lock on
+``<study storage>.tuner.lock`` from start to end, so a RUNNING trial found at the start was left
+by a dead process, never by a live one. A study DB that is not a database any more is moved
+aside and the studies start afresh; buckets whose final record is in the log are not re-tuned.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ from tsdecode.configs import (
 
 from .grids import ShapeSpec
 from .runner import CandidateFailed, CompilePool, config_key
+
+try:  # POSIX; without it two runs on one study storage are not kept apart
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
 
 
 def retime_noise(times: Sequence[float]) -> float:
@@ -268,11 +276,85 @@ class OutputPaths:
         return cls(out_dir, table, out_dir / f"{stem}_trials.jsonl", out_dir / f"{stem}_trials.csv",
                    storage)
 
+    @property
+    def storage_file(self) -> Path | None:
+        """The file of a SQLite or journal storage (None: a database server)."""
+        if self.storage.startswith("sqlite:///"):
+            return Path(self.storage[len("sqlite:///"):])
+        if _is_journal(self.storage):
+            return Path(self.storage)
+        return None
+
+    @property
+    def lock(self) -> Path:
+        """The run lock of the study storage: ``<file>.tuner.lock`` (not ``.lock``, which an
+        Optuna journal file uses itself); for a database server, one per --out and GPU."""
+        base = self.storage_file or self.out_dir / f"{self.table.stem}_study"
+        return Path(f"{os.path.abspath(base)}.tuner.lock")
+
+
+class StudyBusy(RuntimeError):
+    """Another tuner process holds the run lock of the same study storage."""
+
+
+def lock_study(paths: OutputPaths):
+    """Take the run lock of ``paths``' study storage (an exclusive, non-blocking ``flock``);
+    returns the open lock file, whose closing (or the process's end, a kill included) releases
+    it. The file is never deleted: a leftover one blocks nothing. Raises StudyBusy."""
+    path = paths.lock
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+b")
+    if fcntl is None:  # pragma: no cover - no flock: runs are not serialised
+        return f
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        what = paths.storage_file or paths.storage
+        raise StudyBusy(f"another tuner is using {what}; wait for it to finish or pass a "
+                        "different --out") from None
+    return f
+
+
+def _sqlite_problem(path: Path) -> str | None:
+    """Why the SQLite file at ``path`` is not a database (None: it is one, or it is missing,
+    empty or busy, which are no evidence of damage)."""
+    import sqlite3
+
+    try:
+        if path.stat().st_size == 0:
+            return None
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=60)
+        try:
+            row = con.execute("PRAGMA quick_check").fetchone()
+        finally:
+            con.close()
+    except (OSError, sqlite3.OperationalError):  # missing, unreadable, locked
+        return None
+    except sqlite3.DatabaseError as e:  # "file is not a database", "disk image is malformed"
+        return str(e)
+    return None if row and row[0] == "ok" else f"integrity check: {row[0] if row else 'no answer'}"
+
+
+def _move_aside_storage(path: Path) -> Path:
+    """Move a damaged SQLite file aside with its journal files (a journal left beside a new,
+    empty DB would be rolled back into it)."""
+    moved = tables._move_aside(path, "corrupt")
+    for suffix in ("-journal", "-wal", "-shm"):
+        side = Path(f"{path}{suffix}")
+        if side.exists():
+            os.replace(side, f"{moved}{suffix}")
+    return moved
+
+
+def _is_journal(url: str) -> bool:
+    return url.endswith((".log", ".journal")) and "://" not in url
+
 
 def open_storage(url: str):
     """An Optuna storage: an RDB URL (sqlite:///file.db, the default), or a path ending in .log
     / .journal for a journal file (no SQLAlchemy needed)."""
-    if url.endswith((".log", ".journal")) and "://" not in url:
+    if _is_journal(url):
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend
 
@@ -310,15 +392,18 @@ class ResultLog:
 
     @staticmethod
     def read(path: Path) -> list[dict[str, Any]]:
-        """All complete records (a line cut short by a crash is skipped)."""
+        """All complete records (a line cut short by a crash, or otherwise damaged, is
+        skipped)."""
         records = []
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(path, "rb") as f:
                 for line in f:
                     try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError:
+                        record = json.loads(line)
+                    except (ValueError, RecursionError):  # not JSON, not UTF-8
                         continue
+                    if isinstance(record, dict):
+                        records.append(record)
         except FileNotFoundError:
             pass
         return records
@@ -527,6 +612,13 @@ class _NoStopGridSampler(optuna.samplers.GridSampler):
         return None
 
 
+# What a bucket's "final" study attribute (and log record) holds; _resume_final reads it.
+FINAL_FIELDS = frozenset((
+    "ok", "winner", "time_us", "bandwidth_gbs", "fraction_of_copy", "default", "default_time_us",
+    "default_bandwidth_gbs", "kept_default", "noise", "trials_budget", "measured", "pruned", "note",
+))
+
+
 def _study_seed(seed: int, name: str) -> int:
     return int(hashlib.sha256(f"{seed}|{name}".encode()).hexdigest()[:8], 16)
 
@@ -549,14 +641,39 @@ class Tuner:
         self.progress = progress
         self.echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.run_info = run_info or {}
-        self.storage = open_storage(paths.storage)
-        self.log = ResultLog(paths.jsonl)
+        self._lock = lock_study(paths)  # first: nothing below may touch another run's study
+        try:
+            moved = self._check_storage()
+            self.storage = open_storage(paths.storage)
+            self.log = ResultLog(paths.jsonl)
+        except BaseException:
+            self._lock.close()
+            raise
+        if moved is not None:  # trial numbers start again: older trial records are not theirs
+            self.log.write({"kind": "storage_reset", "storage": paths.storage, "moved_to": moved})
         self.jsonl_records: list[dict[str, Any]] | None = None
         self.plan_s = 0.0  # seconds the measuring worker spent planning (loading or compiling)
         self.measured_now = 0  # configs measured by this run
 
     def close(self) -> None:
+        """Close the log and release the run lock."""
         self.log.close()
+        self._lock.close()
+
+    def _check_storage(self) -> Path | None:
+        """Move a SQLite study DB that is not a database aside (one warning); returns where to.
+        The table and the log keep what was tuned: finished buckets are not tuned again."""
+        db = self.paths.storage_file
+        if db is None or _is_journal(self.paths.storage):
+            return None
+        problem = _sqlite_problem(db)
+        if problem is None:
+            return None
+        moved = _move_aside_storage(db)
+        self.echo(f"warning: study storage {db} is unusable ({problem}); moved aside to {moved} "
+                  "and started afresh (tuned entries are kept in the table, finished buckets "
+                  "are not tuned again)")
+        return moved
 
     # -- names --------------------------------------------------------------------------------
 
@@ -600,10 +717,14 @@ class Tuner:
         running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         if not running:
             return
-        if self.jsonl_records is None:
-            self.jsonl_records = ResultLog.read(self.paths.jsonl)
-        logged = {rec["trial"]: rec for rec in self.jsonl_records
-                  if rec.get("kind") == "trial" and rec.get("study") == name}
+        records = self._log_records()
+        # Trial numbers restart with a new storage: only records written since it count.
+        start = max((i for i, r in enumerate(records) if r.get("kind") == "storage_reset"),
+                    default=-1) + 1
+        logged = {rec["trial"]: rec for rec in records[start:]
+                  if rec.get("kind") == "trial" and rec.get("study") == name
+                  and all(k in rec for k in ("trial", "state", "time_us", "key", "config",
+                                              "measured"))}
         for t in running:
             rec = logged.get(t.number)
             if rec is None:
@@ -615,6 +736,19 @@ class Tuner:
                 study.tell(t.number, rec["time_us"], skip_if_finished=True)
             else:
                 study.tell(t.number, state=TrialState.PRUNED, skip_if_finished=True)
+
+    def _log_records(self) -> list[dict[str, Any]]:
+        """The results log as it was when first needed (read once per run)."""
+        if self.jsonl_records is None:
+            self.jsonl_records = ResultLog.read(self.paths.jsonl)
+        return self.jsonl_records
+
+    def _final_from_log(self, name: str) -> dict[str, Any] | None:
+        """The latest successful final of study ``name`` in the log (a study storage lost
+        since, e.g. moved aside as corrupt, no longer holds it), as the study attribute."""
+        finals = [r for r in self._log_records() if r.get("kind") == "final"
+                  and r.get("study") == name and r.get("ok") and FINAL_FIELDS <= r.keys()]
+        return {k: finals[-1][k] for k in FINAL_FIELDS} if finals else None
 
     @staticmethod
     def _set_attrs(study: optuna.Study, trial_id: int, rec: dict[str, Any]) -> None:
@@ -662,6 +796,10 @@ class Tuner:
                                     direction="minimize", load_if_exists=True)
         self._recover(study, name)
         final = study.user_attrs.get("final")
+        if final is None and not study.get_trials(deepcopy=False):
+            final = self._final_from_log(name)
+            if final is not None:
+                study.set_user_attr("final", final)  # carried into the new storage
         if final and final.get("trials_budget", 0) >= s.trials and final.get("ok"):
             return self._resume_final(bucket, name, final)
         if not study.get_trials(deepcopy=False):  # a new study: the default first
