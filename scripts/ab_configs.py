@@ -1,10 +1,12 @@
 """Same-run timing of explicit configs on a few shapes (CUDA-graph method, two interleaved rounds).
 
-Shapes: B:L:Hq:Hkv[:r][:fp8][:dD] (r = ragged lengths in [L/2, L], fp8 = float8_e4m3fn K/V cache,
-dD = head dim D instead of 128);
-configs: block_n/splits/warps/stages (splits "pX": the count closest to X programs per SM,
+Shapes: B:L:Hq:Hkv[:r][:fp8][:dD][:qN] (r = ragged lengths in [L/2, L], fp8 = float8_e4m3fn K/V
+cache, dD = head dim D instead of 128, qN = N query tokens a request with the causal mask);
+configs: block_n[xblock_m]/splits/warps/stages (block_m 16 unless given; splits "pX": the count
+closest to X programs per SM,
 round(X * SMs / (B * Hkv))), "heur" for what the plan picks today (table or heuristic) or "rule"
-for what it picks without a table (``heuristic_config``, scaled to ragged lengths), each with an
+for what it picks without a table (``heuristic_config``, scaled to ragged lengths; "rule-wide"
+the same without its lean tiles for 17-32 query rows, ``_wide_rows_lean``), each with an
 optional "/R" that launches the split kernel with triton's maxnreg=R register cap (an
 experiment: not part of the config space), and an optional ":" suffix of letters: "t" or "s"
 forces the split kernel's transposed or standard product form (``transposed_products``; without
@@ -73,7 +75,10 @@ for text in args.shapes.split(","):
     f = text.split(":")
     spec = ShapeSpec(batch_size=int(f[0]), kv_len=int(f[1]), num_qo_heads=int(f[2]), num_kv_heads=int(f[3]),
                      ragged="r" in f[4:], kv_dtype="float8_e4m3fn" if "fp8" in f[4:] else "bfloat16",
-                     head_dim=next((int(x[1:]) for x in f[4:] if x.startswith("d")), 128))
+                     head_dim=next((int(x[1:]) for x in f[4:] if x.startswith("d")), 128),
+                     seq_len_q=next((int(x[1:]) for x in f[4:] if x.startswith("q")), 1))
+    if spec.seq_len_q > 1:
+        spec = dataclasses.replace(spec, mask_type="causal")
     sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
     lens = [int(n) for n in sets[0].seq_lens.tolist()]
     nbytes = bytes_moved(spec, lens)
@@ -86,17 +91,22 @@ for text in args.shapes.split(","):
         forms[c] = "1" if "t" in suffix else "0" if "s" in suffix else "auto"
         halves[c] = sets[0].out.dtype if "h" in suffix else None
         fields = name.split("/")
-        if fields[0] in ("heur", "rule"):
+        if fields[0] in ("heur", "rule", "rule-wide"):
+            wide_rows_lean = tsdecode.configs._wide_rows_lean
+            if fields[0] == "rule-wide":  # the rule without its wide-rows lean tiles
+                tsdecode.configs._wide_rows_lean = lambda *a: False
             no_table = config_from_table_hit(shape, None, num_sms).kernel_config
+            tsdecode.configs._wide_rows_lean = wide_rows_lean
             configs[c] = None if fields[0] == "heur" else no_table
             caps[c] = int(fields[1]) if len(fields) > 1 else None
         else:
-            n, w, st = int(fields[0]), int(fields[2]), int(fields[3])
+            n, _, m = fields[0].partition("x")
+            n, m, w, st = int(n), int(m or 16), int(fields[2]), int(fields[3])
             if fields[1].startswith("p"):
                 s = max(1, round(float(fields[1][1:]) * num_sms / (spec.batch_size * spec.num_kv_heads)))
             else:
                 s = int(fields[1])
-            configs[c] = KernelConfig(block_n=n, block_m=16, num_kv_splits=s, num_warps=w, num_stages=st)
+            configs[c] = KernelConfig(block_n=n, block_m=m, num_kv_splits=s, num_warps=w, num_stages=st)
             caps[c] = int(fields[4]) if len(fields) > 4 else None
     res = {k: [] for k in configs}
     chosen = {}
@@ -115,7 +125,7 @@ for text in args.shapes.split(","):
         decode._TRANSPOSED_MODE = forms[name]
         HALF_PARTIALS[0] = halves[name]
         err = check_correct(spec, sets[0], c)
-        print(f"  {name:10s} n{c.block_n} s{c.num_kv_splits} w{c.num_warps} st{c.num_stages}: {min(times):8.1f} us "
+        print(f"  {name:10s} n{c.block_n} m{c.block_m} s{c.num_kv_splits} w{c.num_warps} st{c.num_stages}: {min(times):8.1f} us "
               f"({', '.join(f'{t:.1f}' for t in times)}) {min(times) / first:6.3f}x "
               f"{100 * nbytes / min(times) / 1e3 / copy:6.1f}% copy  err {err:.1e}", flush=True)
     del sets

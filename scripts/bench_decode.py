@@ -32,6 +32,7 @@ from tuner.measure import (  # noqa: E402
     bytes_moved, copy_bandwidth_gbs, graph_time_us, input_q_lens, make_inputs, num_copies, relative_error,
 )
 from tsdecode.reference import reference_decode  # noqa: E402
+from tuner.runner import plan_wrapper  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,27 +181,22 @@ def sweep_configs(spec: ShapeSpec, num_sms: int) -> list[KernelConfig]:
 
 def time_config(spec: ShapeSpec, sets, config: KernelConfig | None,
                 replay_ms: float = 80.0) -> tuple[float, tsdecode.SelectedConfig]:
-    wrappers = []
-    for s in sets:
-        w = tsdecode.BatchDecodePagedTSWrapper()
-        w.plan(s.block_tables, s.seq_lens, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
-               spec.page_size, q_data_type=s.q.dtype, kv_data_type=s.cache.dtype,
-               o_data_type=s.out.dtype, config=config)
-        wrappers.append(w)
+    wrappers = [plan_wrapper(spec, s, config) for s in sets]
     calls = [lambda w=w, s=s: w.run(s.q, s.cache, out=s.out) for w, s in zip(wrappers, sets)]
     return graph_time_us(calls, replay_ms), wrappers[0].config
 
 
 def check_correct(spec: ShapeSpec, s, config) -> float:
-    """Relative error of the first two requests vs the float64 reference."""
-    w = tsdecode.BatchDecodePagedTSWrapper()
-    w.plan(s.block_tables, s.seq_lens, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
-           spec.page_size, q_data_type=s.q.dtype, kv_data_type=s.cache.dtype, o_data_type=s.out.dtype,
-           config=config)
+    """Relative error of the first two requests vs the float64 reference (fixed query shapes)."""
+    if spec.packed:
+        raise ValueError("check_correct takes fixed query shapes (seq_len_q tokens a request)")
+    w = plan_wrapper(spec, s, config)
     s.out.fill_(float("nan"))
     w.run(s.q, s.cache, out=s.out)
     n = min(2, spec.batch_size)
-    ref = reference_decode(s.q[:n], s.cache, s.block_tables[:n], s.seq_lens[:n])
+    ref = reference_decode(s.q[:n], s.cache, s.block_tables[:n], s.seq_lens[:n],
+                           seq_len_q=spec.seq_len_q, mask_type=spec.mask_type,
+                           window_left=spec.window_left)
     return relative_error(s.out[:n], ref)
 
 

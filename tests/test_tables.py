@@ -980,3 +980,29 @@ def test_shipped_entries_were_timed_against_todays_heuristic(path):
             if entry.default_config != today:
                 stale.append(f"{class_key} {bucket}: recorded {entry.default_config}, today {today}")
     assert not stale, "\n".join(stale)
+
+
+def test_heuristic_wide_rows_take_lean_tiles_where_a_split_walks_more_than_4():
+    """17-32 query rows a KV head (block_m = 32), 16-bit cache, D <= 128: the rule's split count
+    on 1-warp 5-stage tiles of 16 tokens at D=128 (32 at D=64) where a split walks more than 4 of
+    them; 4 or fewer tiles a split, an fp8 cache, D=256, 16 rows or 64 keep the previous tiles."""
+    from tsdecode.configs import heuristic_config
+
+    def config(b, n, **kw):
+        return heuristic_config(make_shape(batch_size=b, kv_len=n, **kw), 132)
+
+    g32 = dict(num_qo_heads=64, num_kv_heads=2)
+    for b, n, splits in ((1, 32768, 264), (8, 8192, 33), (32, 1024, 8), (128, 1024, 2), (128, 32768, 2)):
+        c = config(b, n, **g32)
+        assert (c.block_n, c.block_m, c.num_warps, c.num_stages, c.num_kv_splits) == (16, 32, 1, 5, splits)
+    for b, n in ((1, 1024), (1, 8192), (8, 1024)):  # 64 tokens a split
+        c = config(b, n, **g32)
+        assert (c.block_n, c.block_m, c.num_warps, c.num_stages) == (64, 32, 4, 2)
+    c = config(8, 8192, mask_kind="causal", max_seq_len_q=8)  # G=4, 8 query tokens
+    assert (c.block_n, c.block_m, c.num_warps, c.num_stages) == (16, 32, 1, 5)
+    assert config(32, 8192, head_dim=64, **g32).block_n == 32
+    assert config(32, 8192, head_dim=256, **g32).num_warps == 4
+    assert config(32, 8192, kv_dtype=torch.float8_e4m3fn, **g32).block_m == 32
+    assert config(8, 8192, kv_dtype=torch.float8_e4m3fn, **g32).num_warps == 4  # fp8: unchanged
+    assert config(8, 8192, num_qo_heads=128, num_kv_heads=2).num_warps == 4  # 64 rows
+    assert config(8, 8192, num_qo_heads=64, num_kv_heads=4).num_stages == 3  # 16 rows: lean rule

@@ -31,6 +31,10 @@ DOT_MIN_BLOCK_M = 16
 # with splits for about LEAN_PROGRAMS_PER_SM programs per SM (H200 sweeps, docs/perf-notes.md).
 LEAN_MAX_PROGRAMS_PER_SM = 3
 LEAN_PROGRAMS_PER_SM = 8
+# 17-32 query rows a KV head (block_m = 32), 16-bit cache: 1-warp programs of 16-token tiles with
+# 5 stages where each split walks more than the 4 tiles such a pipeline holds in flight.
+WIDE_ROWS_BLOCK_M = 32
+WIDE_ROWS_MIN_TILES_PER_SPLIT = 5
 # Ragged fixed lengths (``scale_splits_to_raggedness``): splits grow by longest / mean, at most
 # MAX_RAGGED_SPLIT_FACTOR x and to no fewer than RAGGED_MIN_TILES_PER_SPLIT tiles a split, while the
 # programs fit one wave; programs past one wave but short of FULL_WAVES waves step to FULL_WAVES.
@@ -247,7 +251,9 @@ def heuristic_config(
     rows or fewer, D <= 128) and for about 46 per SM from 4 B*Hkv programs per SM. The ~8 per SM
     of both lean rules are capped at what fits an SM at once (``resident_programs_per_sm`` with
     this GPU's shared memory: 7 on GPUs with 100 KiB a SM), so they never spill a few programs
-    into a second wave.
+    into a second wave. 17-32 rows with a 16-bit cache (D <= 128): the split count of the rules
+    above, on lean tiles with 5 stages where a split walks more than 4 of them
+    (``_wide_rows_lean``).
     """
     rows = shape.rows_per_kv_head
     block_m = min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
@@ -302,6 +308,8 @@ def heuristic_config(
         num_kv_splits = splits_for_full_waves(
             shape, KernelConfig(block_n=block_n, block_m=block_m, num_warps=num_warps,
                                 num_stages=num_stages), base_programs, num_sms, shared_memory_per_sm)
+    if _wide_rows_lean(shape, num_kv_splits):
+        block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 5
     # The rules above count programs per SM: one KV head of one request (B*Hkv = 1, e.g. an MQA
     # model at batch size 1) asks for ~8 * SMs splits, past the config space's bound on a GPU
     # with more than 128 SMs.
@@ -310,6 +318,25 @@ def heuristic_config(
         num_warps=num_warps, num_stages=num_stages,
     )
     return fit_config(config, shape)[0]
+
+
+def _wide_rows_lean(shape: ProblemShape, num_kv_splits: int) -> bool:
+    """Whether a 16-bit cache with 17-32 query rows a KV head (block_m = 32, D <= 128) takes lean
+    tiles (1 warp, 16 tokens at D = 128, 5 stages) with the split count already chosen.
+
+    Twice the rows of the lean rule's programs double each tile's math, and 4-warp programs with
+    one 64-token tile in flight then fall behind: the G=32 preset (Hq=64, Hkv=2) tuned on the H200
+    (reports/nvidia-h200/2026-11-30/tune_g32_trials.csv) ran 1.3-1.65x slower on the previous
+    rule at the 8 buckets whose splits walk more than 4 such tiles, where this family was within
+    2.5% of the best (B=128 L=1k 29%, B=8 L=8k 5% off it); at 4 tiles or fewer it was no faster.
+    """
+    if shape.kv_dtype not in (torch.float16, torch.bfloat16) or shape.head_dim > 128:
+        return False
+    if min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(shape.rows_per_kv_head))) != WIDE_ROWS_BLOCK_M:
+        return False
+    block_n = max(16, 2048 // shape.block_d)
+    tokens_per_split = -(-shape.max_kv_len // num_kv_splits)
+    return tokens_per_split > (WIDE_ROWS_MIN_TILES_PER_SPLIT - 1) * block_n
 
 
 def _lean_splits(shape: ProblemShape, block_n: int, num_stages: int, base_programs: int,
