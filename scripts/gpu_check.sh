@@ -24,7 +24,8 @@ rc=0
 for step in $steps; do
   echo "=== $step ==="
   case $step in
-    tests)   python3 -m pytest tests -q -x -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    tests)   workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+             python3 -m pytest tests -q -x $workers -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25; rc=$((rc | ${PIPESTATUS[0]})) ;;
     bench)   python3 scripts/bench_decode.py --suite llama --csv "$OUT/bench_llama.csv" 2>&1 | tee "$OUT/bench_llama.log" ;;
     nopdl)   TSDECODE_DISABLE_PDL=1 python3 scripts/bench_decode.py --suite llama --only B1_ 2>&1 | tee "$OUT/bench_nopdl.log" ;;
     sweep)   python3 scripts/bench_decode.py --suite llama --sweep --csv "$OUT/sweep_llama.csv" > "$OUT/sweep_llama.log" 2>&1; grep -v "^#   " "$OUT/sweep_llama.log" ;;

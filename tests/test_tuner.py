@@ -751,3 +751,38 @@ def test_seed_configs_reach_the_lean_programs_per_sm_targets():
     added = {(c.num_kv_splits, c.num_stages) for c in seeds[len(plain):]}
     assert added == {(16, 5), (95, 3), (95, 5)}
     assert all(c.block_n == 16 and c.num_warps == 1 for c in seeds[len(plain):])
+
+
+def test_study_name_changes_with_the_heuristic_default(tmp_path):
+    """A study is timed against the heuristic's default: a heuristic change must start a new
+    study, not resume the old one (whose final records the old default)."""
+    tuner = _bare_tuner(tmp_path)
+    try:
+        bucket = search.group_buckets(PRESETS["smoke"])[0]
+        space = {"block_n": [16, 32]}
+        a = tuner.study_name(bucket, space, KernelConfig(block_n=16, num_stages=3))
+        assert a == tuner.study_name(bucket, space, KernelConfig(block_n=16, num_stages=3))
+        assert a != tuner.study_name(bucket, space, KernelConfig(block_n=16, num_stages=5))
+        assert a.startswith(bucket.class_key + "|")
+    finally:
+        tuner.close()
+
+
+def test_grid_file_without_a_toml_reader_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    """Python 3.10 has no tomllib: --grid-file exits 2 with a message, not a traceback."""
+    import builtins
+
+    grid_file = tmp_path / "g.toml"
+    grid_file.write_text("[[grid]]\nbatch_sizes = [1]\nkv_lens = [40]\n")
+    real_import = builtins.__import__
+
+    def no_tomllib(name, *a, **kw):
+        if name == "tomllib":
+            raise ImportError("No module named 'tomllib'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.delitem(sys.modules, "tomllib", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_tomllib)
+    assert main(["--grid-file", str(grid_file), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "Python >= 3.11" in err and "Traceback" not in err

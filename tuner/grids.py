@@ -318,8 +318,11 @@ def specs_from_args(args) -> list[ShapeSpec]:
     for name in args.preset or []:
         specs += preset(name)
     if args.grid_file:
-        import tomllib
-
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10: no TOML reader in the standard library
+            raise ValueError(f"--grid-file {args.grid_file}: reading TOML needs Python >= 3.11 "
+                             "(tomllib); pass the grid as flags instead") from None
         with open(args.grid_file, "rb") as f:
             data = tomllib.load(f)  # TOMLDecodeError is a ValueError
         tables = data.get("grid")

@@ -677,11 +677,16 @@ class Tuner:
 
     # -- names --------------------------------------------------------------------------------
 
-    def study_name(self, bucket: Bucket, space: dict[str, Sequence[int]]) -> str:
+    def study_name(self, bucket: Bucket, space: dict[str, Sequence[int]],
+                   default: KernelConfig) -> str:
+        """class key | bucket | a hash of what the study's results depend on: the kernel, the
+        device, the shapes, the space, the measurement settings and the heuristic default the
+        winner is timed against (a heuristic change starts new studies)."""
         ident = {
             "version": SEARCH_VERSION, "kernel": tables.kernel_source_hash(),
             "device": self.device_info.name, "specs": [s.to_dict() for s in bucket.specs],
-            "space": {k: list(v) for k, v in space.items()}, **self.s.study_fields(),
+            "space": {k: list(v) for k, v in space.items()}, "default": default.to_dict(),
+            **self.s.study_fields(),
         }
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
         b, n = bucket.bucket
@@ -782,7 +787,7 @@ class Tuner:
         default = heuristic_config(shape, num_sms, self.shared_memory_per_sm)
         space = build_space(shape, num_sms, s.limits, default)
         size = space_size(space)
-        name = self.study_name(bucket, space)
+        name = self.study_name(bucket, space, default)
         use_grid = size <= s.trials
         seed = _study_seed(s.seed, name)
         if use_grid:
