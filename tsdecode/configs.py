@@ -326,9 +326,10 @@ def _wide_rows_lean(shape: ProblemShape, num_kv_splits: int) -> bool:
 
     Twice the rows of the lean rule's programs double each tile's math, and 4-warp programs with
     one 64-token tile in flight then fall behind: the G=32 preset (Hq=64, Hkv=2) tuned on the H200
-    (reports/nvidia-h200/2026-11-30/tune_g32_trials.csv) ran 1.3-1.65x slower on the previous
-    rule at the 8 buckets whose splits walk more than 4 such tiles, where this family was within
-    2.5% of the best (B=128 L=1k 29%, B=8 L=8k 5% off it); at 4 tiles or fewer it was no faster.
+    (reports/nvidia-h200/2026-11-30/tune_g32_trials.csv) ran 1.17-1.65x slower on the previous
+    rule at the 9 buckets whose splits walk more than 4 such tiles, where this family was within
+    2.5% of the best at 7 (B=8 L=8k 5%, B=128 L=1k 29% off it); at 4 tiles or fewer it was no
+    faster.
     """
     if shape.kv_dtype not in (torch.float16, torch.bfloat16) or shape.head_dim > 128:
         return False
