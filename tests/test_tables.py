@@ -909,7 +909,7 @@ def test_heuristic_config_is_valid_on_any_gpu_and_shape():
                         config = heuristic_config(shape, num_sms)
                         config.validate()
                         assert config.num_kv_splits <= min(MAX_NUM_KV_SPLITS, num_kv_tiles(kv_len, config.block_n))
-    one_head = make_shape(batch_size=1, kv_len=1 << 20, num_qo_heads=8, num_kv_heads=1)
+    one_head = make_shape(batch_size=1, kv_len=1 << 20, num_qo_heads=4, num_kv_heads=1)
     assert heuristic_config(one_head, 132).num_kv_splits == MAX_NUM_KV_SPLITS  # 8 * 132 = 1056 asked
     assert heuristic_config(one_head, 128).num_kv_splits == 1024  # 8 * 128: the bound itself
 
@@ -1005,4 +1005,23 @@ def test_heuristic_wide_rows_take_lean_tiles_where_a_split_walks_more_than_4():
     assert config(32, 8192, kv_dtype=torch.float8_e4m3fn, **g32).block_m == 32
     assert config(8, 8192, kv_dtype=torch.float8_e4m3fn, **g32).num_warps == 4  # fp8: unchanged
     assert config(8, 8192, num_qo_heads=128, num_kv_heads=2).num_warps == 4  # 64 rows
-    assert config(8, 8192, num_qo_heads=64, num_kv_heads=4).num_stages == 3  # 16 rows: lean rule
+    assert config(8, 8192, num_qo_heads=64, num_kv_heads=4).block_m == 16  # 16 rows: lean rule
+
+
+def test_heuristic_lean_programs_from_5_rows_take_5_stages_at_about_4_per_sm():
+    """16-bit cache, < 3 B*Hkv programs per SM, 5-16 query rows a KV head: the lean tiles with 5
+    stages and splits for ~4 programs per SM; 1-4 rows keep 3 stages at ~8 per SM."""
+    from tsdecode.configs import heuristic_config
+
+    def config(b, n, **kw):
+        return heuristic_config(make_shape(batch_size=b, kv_len=n, **kw), 132)
+
+    c = config(4, 4096, num_qo_heads=64, num_kv_heads=8)  # 32 programs: round(4 * 132 / 32)
+    assert (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits) == (16, 1, 5, 16)
+    assert config(1, 8192, num_qo_heads=64, num_kv_heads=4).num_kv_splits == 132
+    assert config(16, 16384, num_qo_heads=8, num_kv_heads=1).num_kv_splits == 33
+    assert config(8, 8192, max_seq_len_q=2, mask_kind="causal").num_stages == 5  # G=4, SQ=2
+    c = config(8, 8192)  # G=4: 4 rows
+    assert (c.num_stages, c.num_kv_splits) == (3, 16)
+    assert config(8, 8192, num_qo_heads=32, num_kv_heads=32).num_stages == 3  # MHA
+    assert config(8, 8192, head_dim=64, num_qo_heads=64, num_kv_heads=8).block_n == 32

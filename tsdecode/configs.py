@@ -31,6 +31,10 @@ DOT_MIN_BLOCK_M = 16
 # with splits for about LEAN_PROGRAMS_PER_SM programs per SM (H200 sweeps, docs/perf-notes.md).
 LEAN_MAX_PROGRAMS_PER_SM = 3
 LEAN_PROGRAMS_PER_SM = 8
+# ... and from LEAN_DEEP_MIN_ROWS query rows a KV head (of the 16 a lean program holds), 5 stages
+# with splits for about LEAN_DEEP_PROGRAMS_PER_SM programs per SM.
+LEAN_DEEP_MIN_ROWS = 5
+LEAN_DEEP_PROGRAMS_PER_SM = 4
 # 17-32 query rows a KV head (block_m = 32), 16-bit cache: 1-warp programs of 16-token tiles with
 # 5 stages where each split walks more than the 4 tiles such a pipeline holds in flight.
 WIDE_ROWS_BLOCK_M = 32
@@ -242,7 +246,7 @@ def heuristic_config(
     one program (K/V read once), padded to at least 16 for tl.dot: the FMA path is far slower even
     for a single row. Few B*Hkv programs (< 3 per SM) with 16 rows or fewer, D <= 128 and a
     16-bit cache: lean programs (4 KiB K/V tiles: 16 tokens at D = 128, 32 at D = 64; 1 warp;
-    3 stages) and splits for about 8 of them per SM. Otherwise splits fill about 4 programs per
+    3 stages) and splits for about 8 of them per SM; from 5 rows, 5 stages and about 4 per SM. Otherwise splits fill about 4 programs per
     SM when B*Hkv programs cannot, down to one 64-token tile per split; at large batch with long
     K/V, a few splits of narrower tiles (block_n=32) still help (shorter dependent chains, better
     tail balance); at large batch with shorter K/V, splits only where they fill a mostly empty
@@ -285,9 +289,16 @@ def heuristic_config(
         # B=32 L=1k 39.2 vs 41.0 us; reports/nvidia-h200/2026-11-29/merge_fused_ab.txt, separate
         # merge column).
         # 16 tokens at D = 128: 4 KiB K/V tiles; smaller head dims keep that tile size.
-        block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 3
-        num_kv_splits = _lean_splits(shape, block_n, num_stages, base_programs, num_sms,
-                                     shared_memory_per_sm)
+        # 5-16 rows: 5 stages and half the programs (H200, same run, 14 shapes off the tuning
+        # grid: 0.87-1.00x the time of 3 stages at ~8 per SM where G >= 7, equal at G=4;
+        # reports/nvidia-h200/2026-11-30/ab_lean_stages_splits.txt, docs/perf-notes.md,
+        # "Fourteenth lease").
+        deep = shape.rows_per_kv_head >= LEAN_DEEP_MIN_ROWS
+        block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 5 if deep else 3
+        num_kv_splits = _lean_splits(
+            shape, block_n, num_stages, base_programs, num_sms, shared_memory_per_sm,
+            LEAN_DEEP_PROGRAMS_PER_SM if deep else LEAN_PROGRAMS_PER_SM,
+        )
     elif base_programs < target_programs:
         num_kv_splits = max(1, target_programs // base_programs)
         num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 64))
@@ -341,13 +352,14 @@ def _wide_rows_lean(shape: ProblemShape, num_kv_splits: int) -> bool:
 
 
 def _lean_splits(shape: ProblemShape, block_n: int, num_stages: int, base_programs: int,
-                 num_sms: int, shared_memory_per_sm: int) -> int:
-    """Splits for about LEAN_PROGRAMS_PER_SM lean (1-warp) programs per SM; where fewer fit an SM
+                 num_sms: int, shared_memory_per_sm: int,
+                 programs_per_sm: int = LEAN_PROGRAMS_PER_SM) -> int:
+    """Splits for about ``programs_per_sm`` lean (1-warp) programs per SM; where fewer fit an SM
     at once, as many as fit (rounded down, so no program waits for a second wave)."""
     lean = KernelConfig(block_n=block_n, block_m=DOT_MIN_BLOCK_M, num_warps=1, num_stages=num_stages)
     resident = resident_programs_per_sm(lean, shape, shared_memory_per_sm)
-    if resident >= LEAN_PROGRAMS_PER_SM:
-        return max(1, round(LEAN_PROGRAMS_PER_SM * max(1, num_sms) / base_programs))
+    if resident >= programs_per_sm:
+        return max(1, round(programs_per_sm * max(1, num_sms) / base_programs))
     return max(1, resident * max(1, num_sms) // base_programs)
 
 
