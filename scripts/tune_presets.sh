@@ -18,5 +18,5 @@ for item in ${PRESETS:?set PRESETS to "preset:budget ..."}; do
   grep -A20 "^bucket (B,L)" "$OUT/tune_$name.txt" | tail -20
   cp "$dir/NVIDIA_H200_trials.csv" "$OUT/tune_${name}_trials.csv" 2>/dev/null
 done
-rm -f "$dir/NVIDIA_H200_study.db" "$dir/NVIDIA_H200_trials.jsonl" "$dir/NVIDIA_H200.json.lock"
+rm -f "$dir/NVIDIA_H200_study.db" "$dir/NVIDIA_H200_study.db.tuner.lock" "$dir/NVIDIA_H200_trials.jsonl" "$dir/NVIDIA_H200.json.lock"
 exit $rc

@@ -786,3 +786,28 @@ def test_grid_file_without_a_toml_reader_is_a_usage_error(tmp_path, monkeypatch,
     assert main(["--grid-file", str(grid_file), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "Python >= 3.11" in err and "Traceback" not in err
+
+
+@cpu_only
+def test_a_new_study_measures_the_tables_current_winner_second(tmp_path):
+    """Re-tuning into a table that already holds a winner for the bucket (e.g. after a heuristic
+    change started new studies): that winner is measured right after the default, so a
+    re-tune cannot lose what the last one found for lack of trials."""
+    spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    shape = spec.to_problem_shape()
+    default = heuristic_config(shape, 132)
+    previous = KernelConfig(block_n=32, block_m=16, num_kv_splits=2, num_warps=2, num_stages=2)
+    assert previous != default and fit_config(previous, shape)[0] == previous
+    out = tmp_path / "warm"
+    info = tables.DeviceInfo("CPU Triton interpreter", 132, (0, 0), 0)
+    paths = search.OutputPaths.for_device(out, info.name, None)
+    out.mkdir()
+    entry = tables.TableEntry(previous, 10.0, 1.0, None, default, 11.0, 0.9, tuned_batch_size=1)
+    key, bucket = tables.problem_class_key(shape), tables.bucket_of(1, 40)
+    tables.merge_entries(paths.table, info, {key: {bucket: entry}}, {})
+    args = [*TINY, "--trials", "2", "--block-n", "16,32,64", "--block-m", "16",
+            "--num-kv-splits", "1,2,3", "--num-warps", "1,2,4", "--num-stages", "2,3",
+            "--out", str(out), "--isolation", "inline", *FAST]
+    assert main(args) == 0
+    measured = [KernelConfig(**r["config"]) for r in _records(out) if r["measured"]]
+    assert measured[:2] == [default, previous]

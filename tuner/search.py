@@ -811,6 +811,9 @@ class Tuner:
             base_programs = (shape.batch_size * shape.num_kv_heads
                              * -(-shape.rows_per_kv_head // default.block_m))
             seeds = [default] if use_grid else seed_configs(default, space, base_programs, num_sms)
+            previous = self._table_winner(bucket, space)
+            if previous is not None and previous not in seeds:
+                seeds.insert(1, previous)  # a re-tune (e.g. after a heuristic change) keeps its gains
             for config in seeds:
                 study.enqueue_trial(config.to_dict())
         cache = self._cache_from_storage(study)
@@ -907,6 +910,18 @@ class Tuner:
                 for t in [p.trial] + [f[0] for f in p.followers]:
                     study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
         return self._finalize(study, bucket, name, default, cache)
+
+    def _table_winner(self, bucket: Bucket, space: dict[str, Sequence[int]]) -> KernelConfig | None:
+        """The winner the output table already holds for ``bucket`` (None if absent, unreadable
+        or outside today's search space): a new study measures it among its first trials."""
+        table = tables.load_table(self.paths.table) if self.paths.table.exists() else None
+        entry = table.entries.get(bucket.class_key, {}).get(bucket.bucket) if table else None
+        if entry is None:
+            return None
+        config = entry.kernel_config
+        if any(getattr(config, k) not in v for k, v in space.items()):
+            return None
+        return config
 
     def _retime_reserve(self) -> float:
         per = self.s.replay_ms / 1000.0 + 0.1 if self.s.timing == "cuda-graph" else 0.5
