@@ -246,11 +246,12 @@ def heuristic_config(
     one program (K/V read once), padded to at least 16 for tl.dot: the FMA path is far slower even
     for a single row. Few B*Hkv programs (< 3 per SM) with 16 rows or fewer, D <= 128 and a
     16-bit cache: lean programs (4 KiB K/V tiles: 16 tokens at D = 128, 32 at D = 64; 1 warp;
-    3 stages) and splits for about 8 of them per SM; from 5 rows, 5 stages and about 4 per SM. Otherwise splits fill about 4 programs per
-    SM when B*Hkv programs cannot, down to one 64-token tile per split; at large batch with long
-    K/V, a few splits of narrower tiles (block_n=32) still help (shorter dependent chains, better
-    tail balance); at large batch with shorter K/V, splits only where they fill a mostly empty
-    last wave (``splits_for_full_waves``). fp8 caches: lean programs with 5 stages (two K/V
+    3 stages) and splits for about 8 of them per SM; from 5 rows, 5 stages and about 4 per SM.
+    Otherwise splits fill about 4 programs per SM when B*Hkv programs cannot, down to one
+    64-token tile per split; at large batch with long K/V, a few splits of narrower tiles
+    (block_n=32) still help (shorter dependent chains, better tail balance); at large batch
+    with shorter K/V, splits only where they fill a mostly empty last wave
+    (``splits_for_full_waves``). fp8 caches: lean programs with 5 stages (two K/V
     tiles in flight per program), splits for about 8 per SM below 4 B*Hkv programs per SM (16
     rows or fewer, D <= 128) and for about 46 per SM from 4 B*Hkv programs per SM. The ~8 per SM
     of both lean rules are capped at what fits an SM at once (``resident_programs_per_sm`` with
