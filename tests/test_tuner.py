@@ -664,7 +664,16 @@ def test_split_choices_cover_powers_waves_and_default():
     assert {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 512} <= set(splits)
     assert {132 // 8, 2 * 132 // 8, 4 * 132 // 8} <= set(splits)  # whole waves of programs
     assert default.num_kv_splits in splits and max(splits) <= 64 * 132 // 8
-    assert space["block_m"] == (1, 2, 4, 8, 16)  # G*SQ = 4 rows: larger block_m is fitted away
+    # G*SQ = 4 rows: larger block_m is fitted away, FMA block_m (< 16) only when asked for
+    assert space["block_m"] == (16,)
+    asked = search.SpaceLimits(block_m=(1, 2, 4, 8, 16, 32))
+    assert search.build_space(shape, 132, asked, default)["block_m"] == (1, 2, 4, 8, 16)
+    mha = ShapeSpec(1, 32768, num_qo_heads=8, num_kv_heads=8).to_problem_shape()  # 1 row
+    assert search.build_space(mha, 132, search.SpaceLimits(), heuristic_config(mha, 132))[
+        "block_m"] == (1, 2, 4, 8, 16)
+    wide = ShapeSpec(1, 32768, num_qo_heads=64, num_kv_heads=2).to_problem_shape()  # 32 rows
+    assert search.build_space(wide, 132, search.SpaceLimits(), heuristic_config(wide, 132))[
+        "block_m"] == (16, 32)
     big = ShapeSpec(128, 32768).to_problem_shape()
     assert search.build_space(big, 132, search.SpaceLimits(), heuristic_config(big, 132))[
         "num_kv_splits"] == (1, 2, 3, 4, 6, 8)

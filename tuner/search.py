@@ -87,13 +87,20 @@ class SpaceLimits:
     """Restrictions of the config space from the command line (None: automatic)."""
 
     block_n: tuple[int, ...] = BLOCK_N_CHOICES
-    block_m: tuple[int, ...] = BLOCK_M_CHOICES
+    block_m: tuple[int, ...] | None = None  # None: BLOCK_M_CHOICES, FMA ones up to FMA_MAX_ROWS
     num_kv_splits: tuple[int, ...] | None = None
     num_warps: tuple[int, ...] = NUM_WARPS_CHOICES
     num_stages: tuple[int, ...] = NUM_STAGES_CHOICES
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (list(v) if v is not None else None) for k, v in asdict(self).items()}
+
+
+# block_m below DOT_MIN_BLOCK_M (FMA reductions) is searched by default only for shapes with at
+# most this many query rows a KV head. In every committed H200 trial log (145 buckets, 37% of
+# their trials on FMA configs) an FMA config never won: within 1-9% of the best at 1 row (MHA),
+# at least 1.3x slower at 4 rows and more (median 3.3x). --block-m still searches them anywhere.
+FMA_MAX_ROWS = 3
 
 
 def split_choices(shape: ProblemShape, num_sms: int, block_n_choices: Sequence[int],
@@ -127,10 +134,12 @@ def build_space(shape: ProblemShape, num_sms: int, limits: SpaceLimits,
     rows = shape.rows_per_kv_head
     # block_m above the padded row count is always fitted down: leave it out.
     m_cap = max(DOT_MIN_BLOCK_M, next_power_of_2(rows))
-    block_m = [m for m in limits.block_m if m <= m_cap]
+    if limits.block_m is None:
+        block_m = [m for m in BLOCK_M_CHOICES if m <= m_cap
+                   and (m >= DOT_MIN_BLOCK_M or rows <= FMA_MAX_ROWS)]
+    else:
+        block_m = [m for m in limits.block_m if m <= m_cap] or [min(limits.block_m)]
     block_n = list(limits.block_n)
-    if not block_m:
-        block_m = [min(limits.block_m)]
     if limits.num_kv_splits is not None:
         tiles = num_kv_tiles(shape.max_kv_len, min(block_n))
         splits = sorted({min(s, tiles) for s in limits.num_kv_splits})
