@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import tsdecode.api  # noqa: E402
 from tsdecode import KernelConfig  # noqa: E402
-from tsdecode.configs import config_from_table_hit, device_num_sms  # noqa: E402
+from tsdecode.configs import MAX_NUM_KV_SPLITS, config_from_table_hit, device_num_sms  # noqa: E402
 from tsdecode.kernels import decode  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
 from tuner.measure import bytes_moved, copy_bandwidth_gbs, make_inputs, num_copies  # noqa: E402
@@ -104,6 +104,7 @@ for text in args.shapes.split(","):
             n, m, w, st = int(n), int(m or 16), int(fields[2]), int(fields[3])
             if fields[1].startswith("p"):
                 s = max(1, round(float(fields[1][1:]) * num_sms / (spec.batch_size * spec.num_kv_heads)))
+                s = min(s, MAX_NUM_KV_SPLITS, -(-spec.kv_len // n))  # the config's limit, one tile a split
             else:
                 s = int(fields[1])
             configs[c] = KernelConfig(block_n=n, block_m=m, num_kv_splits=s, num_warps=w, num_stages=st)
