@@ -12,6 +12,9 @@ Rows:
                              the host rows below are the host's only while they exceed it
   run (splits S)             BatchDecodePagedTSWrapper.run(q, cache, out=out), the public call
   run, out=None              the same, allocating the output
+  run, torch.compile         run(q, cache, out=out) inside torch.compile(fullgraph=True) (inductor,
+                             default mode): the compiled graph's call of torch.ops.tsdecode.run_planned
+  run_planned op, eager      that op called directly (the dispatcher's cost on top of run)
   run, validation only       the same with the plan's launches replaced by nothing
   plan's DecodeLaunch        the plan's launcher alone (both kernels when S > 1): compiled kernels
                              launched directly after the first call
@@ -115,6 +118,18 @@ def main() -> None:
         rows.append((f"GPU time a call, graph of 20 (splits {splits})", (gpu_us, None)))
         rows.append((f"run (splits {splits})", _host_us(lambda: w.run(q, cache, out=out), n, r)))
         rows.append((f"run, out=None (splits {splits})", _host_us(lambda: w.run(q, cache), n, r)))
+        if hasattr(w, "_handle"):  # trees with the torch.compile ops
+            compiled = torch.compile(lambda q_, c_, o_: w.run(q_, c_, out=o_), fullgraph=True)
+            compiled(q, cache, out)
+            ref = w.run(q, cache).clone()
+            out.fill_(float("nan"))
+            compiled(q, cache, out)
+            torch.cuda.synchronize()
+            assert torch.equal(ref, out), "compiled and eager run disagree"
+            rows.append((f"run, torch.compile (splits {splits})", _host_us(lambda: compiled(q, cache, out), n, r)))
+            rows.append((f"run_planned op, eager (splits {splits})", _host_us(
+                lambda: torch.ops.tsdecode.run_planned(w._handle, q, cache, None, w._plan.block_tables,
+                                                       w._plan.seq_lens, out, None, 1.0), n, r)))
         plan_args, plan_kw = _plan_args(splits)
         plan_calls = max(20, n // 10)
         rows.append((f"plan (splits {splits})", _host_us(lambda: w.plan(*plan_args, **plan_kw), plan_calls, r)))

@@ -9,6 +9,8 @@ q and the output are [B, Hq, D] (SQ=1), [B, SQ, Hq, D] (fixed SQ>1) or [total_q,
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Literal
 
@@ -88,6 +90,29 @@ class BatchDecodePagedTSWrapper:
         V.validate_kv_layout(kv_layout)
         self.kv_layout = kv_layout
         self._plan: _Plan | None = None
+        self._handle = _register_wrapper(self)
+
+    def __copy__(self) -> BatchDecodePagedTSWrapper:
+        """A wrapper of its own (own handle, re-plannable apart) sharing this one's plan and
+        scratch until it re-plans: one run in flight between the two."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin._handle = _register_wrapper(twin)
+        return twin
+
+    def __getstate__(self) -> dict:
+        if self._plan is not None:  # compiled kernels, scratch and bound caller tensors
+            raise TypeError(
+                "a planned BatchDecodePagedTSWrapper cannot be deep-copied or pickled; create a "
+                "new wrapper and plan it (copy.copy shares the plan)"
+            )
+        state = self.__dict__.copy()
+        del state["_handle"]  # the copy gets its own
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._handle = _register_wrapper(self)
 
     @property
     def config(self) -> SelectedConfig:
@@ -145,10 +170,76 @@ class BatchDecodePagedTSWrapper:
         bmm2_scale: float = 1.0,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention output with q's shape; no host sync, no allocation when ``out`` is given."""
+        """Attention output with q's shape; no host sync, no allocation when ``out`` is given.
+
+        Under ``torch.compile`` the launch is one opaque op (``torch.ops.tsdecode.run_planned``),
+        so a compiled graph, ``fullgraph=True`` included, holds it without a break."""
         if self._plan is None:
             raise RuntimeError("BatchDecodePagedTSWrapper.run() called before plan()")
+        if torch.compiler.is_compiling():
+            return _run_traced(self._handle, self._plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out)
         return _run_plan(self._plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out)
+
+
+# Wrappers by handle, for the compiled path: its op takes the handle (an int) and finds the
+# wrapper's plan at call time. Weak: the registry keeps no wrapper (or its scratch) alive.
+_WRAPPERS: weakref.WeakValueDictionary[int, BatchDecodePagedTSWrapper] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def _register_wrapper(wrapper: BatchDecodePagedTSWrapper) -> int:
+    handle = next(_HANDLES)
+    _WRAPPERS[handle] = wrapper
+    return handle
+
+
+def _run_traced(handle: int, plan: _Plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out) -> torch.Tensor:
+    """``run`` as torch.compile traces it: what needs no tensor data is checked here (the
+    errors are the eager ones), the rest in the op at run time (``run_planned_eager``). The plan's
+    block table and lengths are the op's inputs, so the graph orders their writes before it."""
+    q = V.require_tensor("q", q)
+    kv, v = V.split_cache(paged_kv_cache)
+    bmm1, bmm2 = _traced_scales(bmm1_scale, bmm2_scale)
+    if out is None:
+        out = torch.empty(plan.q_shape, dtype=plan.o_dtype, device=plan.device)
+    else:
+        out = V.require_tensor("out", out)
+    torch.ops.tsdecode.run_planned(handle, q, kv, v, plan.block_tables, plan.seq_lens, out, bmm1, bmm2)
+    return out
+
+
+def _traced_scales(bmm1_scale, bmm2_scale) -> tuple[float | None, float]:
+    """The scales' types checked while tracing (the eager TypeError); their values (finite, the
+    1/sqrt(D) default for None) when the graph runs: traced floats may be symbolic."""
+    if bmm1_scale is not None:
+        bmm1_scale = float(V.require_real("bmm1_scale", bmm1_scale))
+    return bmm1_scale, float(V.require_real("bmm2_scale", bmm2_scale))
+
+
+def run_planned_eager(
+    handle: int, q: torch.Tensor, kv: torch.Tensor, v: torch.Tensor | None,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, bmm1: float | None,
+    bmm2: float,
+) -> None:
+    """Body of ``torch.ops.tsdecode.run_planned``: the eager ``run`` of the wrapper ``handle``
+    into ``out``. block_tables / seq_lens must be the plan's own tensors: a compiled graph that
+    wrote them before the op may hand over a copy, which the planned launch would not read."""
+    wrapper = _WRAPPERS.get(handle)
+    plan = None if wrapper is None else wrapper._plan
+    if plan is None:
+        raise RuntimeError(
+            "a compiled graph ran BatchDecodePagedTSWrapper.run() for a wrapper that no longer "
+            "exists or has no plan"
+        )
+    for name, given, planned in (("block_tables", block_tables, plan.block_tables),
+                                 ("seq_lens_kv", seq_lens, plan.seq_lens)):
+        if given.data_ptr() != planned.data_ptr():
+            raise RuntimeError(
+                f"the compiled graph passed a copy of the plan's {name} to run(): writes to it "
+                f"inside the compiled region are not seen by the planned kernels; write {name} "
+                f"outside the compiled function (or re-plan)"
+            )
+    _run_plan(plan, q, kv if v is None else (kv, v), bmm1, bmm2, out)
 
 
 
@@ -320,8 +411,73 @@ def batch_decode_with_paged_kv_cache(
     before capture instead. Output dtype: out_dtype, else out.dtype, else q.dtype.
     paged_kv_cache is HND only: [num_pages, 2, Hkv, P, D] or (K, V) each [num_pages, Hkv, P, D];
     Hkv and P are read from its shape, so an NHD cache [.., P, Hkv, D] with Hq % P == 0 passes
-    unnoticed (the wrapper's plan, given Hkv and P, refuses it).
+    unnoticed (the wrapper's plan, given Hkv and P, refuses it). Under ``torch.compile`` it is one
+    opaque op (``torch.ops.tsdecode.decode_oneshot``), which still reads the lengths on the host
+    when the graph runs.
     """
+    if torch.compiler.is_compiling():
+        return _oneshot_traced(
+            q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
+            mask_type, window_left, kv_layout, bmm1_scale, bmm2_scale, out, out_dtype,
+        )
+    return oneshot_eager(
+        q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q=seq_len_q, qo_indptr=qo_indptr,
+        max_seq_len_q=max_seq_len_q, mask_type=mask_type, window_left=window_left,
+        kv_layout=kv_layout, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out, out_dtype=out_dtype,
+    )
+
+
+def _oneshot_traced(
+    q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q, mask_type,
+    window_left, kv_layout, bmm1_scale, bmm2_scale, out, out_dtype,
+) -> torch.Tensor:
+    """The one-shot op as torch.compile traces it: checks that need no tensor data here (the
+    eager errors), the rest in the op when the graph runs (``oneshot_eager``)."""
+    q = V.require_tensor("q", q)
+    kv, v = V.split_cache(paged_kv_cache)
+    block_tables = V.require_tensor("block_tables", block_tables)
+    seq_lens_kv = V.require_tensor("seq_lens_kv", seq_lens_kv)
+    if qo_indptr is not None:
+        qo_indptr = V.require_tensor("qo_indptr", qo_indptr)
+    V.resolve_query_mode(seq_len_q, qo_indptr, max_seq_len_q)  # ints, and their agreement
+    seq_len_q = int(seq_len_q)
+    max_seq_len_q = None if max_seq_len_q is None else int(max_seq_len_q)
+    V.validate_kv_layout(kv_layout)
+    _, window_left = V.validate_mask(mask_type, window_left)
+    bmm1, bmm2 = _traced_scales(bmm1_scale, bmm2_scale)
+    if out is not None:
+        out = V.require_tensor("out", out)
+        if out_dtype is not None and out_dtype != out.dtype:
+            raise TypeError(f"out_dtype={out_dtype} disagrees with out.dtype={out.dtype}")
+    else:
+        if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"out_dtype must be a torch.dtype or None, got {type(out_dtype).__name__}")
+        out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    torch.ops.tsdecode.decode_oneshot(
+        q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q, mask_type,
+        window_left, bmm1, bmm2, out,
+    )
+    return out
+
+
+def oneshot_eager(
+    q: torch.Tensor,
+    paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    block_tables: torch.Tensor,
+    seq_lens_kv: torch.Tensor,
+    *,
+    seq_len_q: int = 1,
+    qo_indptr: torch.Tensor | None = None,
+    max_seq_len_q: int | None = None,
+    mask_type: Literal["dense", "causal"] = "dense",
+    window_left: int = -1,
+    kv_layout: Literal["HND"] = "HND",
+    bmm1_scale: float | None = None,
+    bmm2_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``batch_decode_with_paged_kv_cache`` run eagerly (also the body of its compiled op)."""
     q = V.require_tensor("q", q)
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(

@@ -71,18 +71,23 @@ def validate_mask(mask_type: object, window_left: object) -> tuple[bool, int]:
     return mask_type == "causal", window_left
 
 
+def require_real(name: str, value: object) -> object:
+    """A real number (int, float, numpy scalar); bools and tensors refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{name} must be a real number such as a Python float (a tensor would need a "
+            f"device sync), got {type(value).__name__}"
+        )
+    return value
+
+
 def validate_scales(bmm1_scale: object, bmm2_scale: object, head_dim: int) -> tuple[float, float]:
     """Return (bmm1_scale, bmm2_scale) as finite Python floats; bmm1 defaults to 1/sqrt(D)."""
     out = []
     for name, value in (("bmm1_scale", bmm1_scale), ("bmm2_scale", bmm2_scale)):
         if name == "bmm1_scale" and value is None:
             value = 1.0 / math.sqrt(head_dim)
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(
-                f"{name} must be a real number such as a Python float (a tensor would need a "
-                f"device sync), got {type(value).__name__}"
-            )
-        value = float(value)
+        value = float(require_real(name, value))
         if not math.isfinite(value):
             raise ValueError(f"{name} must be finite, got {value}")
         out.append(float(value))
@@ -254,6 +259,16 @@ def resolve_query_mode(
     return True, max_seq_len_q
 
 
+def split_cache(paged_kv_cache: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(combined cache, None) or (K, V): only the container and tensor types are checked."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"a separate paged_kv_cache must be (K, V), got {len(paged_kv_cache)} items")
+        return (require_tensor("paged_kv_cache[0] (K)", paged_kv_cache[0]),
+                require_tensor("paged_kv_cache[1] (V)", paged_kv_cache[1]))
+    return require_tensor("paged_kv_cache", paged_kv_cache), None
+
+
 def validate_cache_layout(
     paged_kv_cache: object,
 ) -> tuple[
@@ -264,11 +279,9 @@ def validate_cache_layout(
     inside a page. Return (kv, (num_pages, Hkv, P, D), tensors): kv as the kernels' launcher takes
     it (the combined tensor or the (K, V) tuple; no views are made), and the cache tensor(s) by
     name (for ``validate_out``'s overlap check)."""
-    if isinstance(paged_kv_cache, (tuple, list)):
-        if len(paged_kv_cache) != 2:
-            raise ValueError(f"a separate paged_kv_cache must be (K, V), got {len(paged_kv_cache)} items")
-        k = require_tensor("paged_kv_cache[0] (K)", paged_kv_cache[0])
-        v = require_tensor("paged_kv_cache[1] (V)", paged_kv_cache[1])
+    kv, v = split_cache(paged_kv_cache)
+    if v is not None:
+        k = kv
         for name, t in (("K", k), ("V", v)):
             if t.dim() != 4:
                 raise ValueError(f"paged_kv_cache {name} must be 4-D [num_pages, Hkv, P, D], got {_shape(t)}")
@@ -282,7 +295,7 @@ def validate_cache_layout(
         for name, t in (("K", k), ("V", v)):
             _check_page_strides(name, page_shape, t.stride())
         return (k, v), page_shape, (("paged_kv_cache K", k), ("paged_kv_cache V", v))
-    cache = require_tensor("paged_kv_cache", paged_kv_cache)
+    cache = kv
     shape = tuple(cache.shape)
     if len(shape) != 5 or shape[1] != 2:
         raise ValueError(

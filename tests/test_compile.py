@@ -1,0 +1,232 @@
+"""torch.compile: run() and the one-shot op trace as one opaque op each (fullgraph, no graph
+break), give the reference's results, follow re-plans without recompiling, and refuse what
+they cannot order (a plan's block table written inside the compiled region) instead of reading
+stale page IDs. CPU: the ops run the kernels in the interpreter; GPU: also inductor's CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import tsdecode
+from cases import DEVICE, Case, build, check, plan_wrapper, poisoned_out, reference
+from tsdecode import api
+
+# aot_eager: dynamo + functionalization + the ops' fake implementations, without inductor's
+# compile time on CPU (the GPU test below uses inductor).
+BACKEND = "aot_eager"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _counted():
+    return CompileCounterWithBackend(BACKEND)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_compiled_run_matches_reference(separate, with_out):
+    case = Case(lens=(1, 17, 40), separate=separate, bmm2_scale=0.5, config=tsdecode.KernelConfig(
+        block_n=16, block_m=16, num_kv_splits=2, num_warps=1, num_stages=1))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    counter = _counted()
+
+    def step(q, cache, out):
+        return w.run(q, cache, bmm2_scale=0.5, out=out) * 2.0
+
+    fn = torch.compile(step, fullgraph=True, backend=counter)
+    for seed in range(2):  # new q values: the same graph
+        q = torch.randn(inp.q.shape, generator=torch.Generator().manual_seed(seed)).to(inp.q)
+        inp.q = q
+        out = poisoned_out(case, inp) if with_out else None
+        result = fn(q, inp.cache, out)
+        check(case, result / 2.0, reference(case, inp))
+        if with_out:
+            check(case, out, reference(case, inp))
+    assert counter.frame_count == 1
+
+
+def test_compiled_run_follows_replans_without_recompiling():
+    case = Case(lens=(5, 33, 20))
+    inp = build(case)
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    counter = _counted()
+    fn = torch.compile(lambda q, cache: w.run(q, cache), fullgraph=True, backend=counter)
+    for lens in ((5, 33, 20), (9, 48, 1), (16, 17, 31)):  # each a new plan, same shapes
+        inp.seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        w.plan(inp.block_tables, inp.seq_lens, case.num_qo_heads, case.num_kv_heads, case.head_dim,
+               case.page_size, q_data_type=case.dtype)
+        check(case, fn(inp.q, inp.cache), reference(case, inp))
+    assert counter.frame_count == 1
+
+
+def test_compiled_run_packed_causal_queries():
+    case = Case(lens=(7, 30, 18), mode="packed", q_lens=(1, 4, 2), mask_type="causal", window_left=5,
+                bmm1_scale=1)
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    fn = torch.compile(lambda q, cache: w.run(q, cache, bmm1_scale=1), fullgraph=True, backend=BACKEND)
+    check(case, fn(inp.q, inp.cache), reference(case, inp))
+
+
+def test_block_table_written_inside_the_compiled_region_is_refused_or_read():
+    """A write the graph defers past the op (functionalization) would leave the planned kernels
+    reading the old page IDs: the op refuses it. (Inductor applies it in place first: test_gpu.)"""
+    case = Case(lens=(20, 33))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    spare = inp.num_pages - 1  # unused by either request
+
+    def step(q, cache, block_tables):
+        block_tables[0, 0] = spare
+        return w.run(q, cache)
+
+    fn = torch.compile(step, fullgraph=True, backend=BACKEND)
+    with pytest.raises(RuntimeError, match="copy of the plan's block_tables"):
+        fn(inp.q, inp.cache, inp.block_tables)
+
+
+def test_copies_of_a_wrapper_are_wrappers_of_their_own():
+    """copy.copy shares the plan until the copy re-plans; each compiled run follows its own
+    wrapper. A planned wrapper refuses deepcopy and pickle (compiled kernels, scratch); an
+    unplanned one copies with a handle of its own."""
+    case = Case(lens=(5, 33))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    twin = copy.copy(w)
+    assert twin._handle != w._handle and twin._plan is w._plan
+    fn_twin = torch.compile(lambda q, cache: twin.run(q, cache), fullgraph=True, backend=BACKEND)
+    fn_w = torch.compile(lambda q, cache: w.run(q, cache), fullgraph=True, backend=BACKEND)
+    check(case, fn_twin(inp.q, inp.cache), reference(case, inp))
+    other = Case(lens=(12, 3), seed=1)
+    other_inp = build(other)
+    twin.plan(other_inp.block_tables, other_inp.seq_lens, other.num_qo_heads, other.num_kv_heads,
+              other.head_dim, other.page_size, q_data_type=other.dtype)
+    check(other, fn_twin(other_inp.q, other_inp.cache), reference(other, other_inp))
+    check(case, fn_w(inp.q, inp.cache), reference(case, inp))
+    for deep in (copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))):
+        with pytest.raises(TypeError, match="cannot be deep-copied or pickled"):
+            deep(w)
+        fresh = deep(tsdecode.BatchDecodePagedTSWrapper())
+        assert fresh._plan is None and api._WRAPPERS[fresh._handle] is fresh
+
+
+def test_the_op_refuses_a_wrapper_that_is_gone():
+    case = Case(lens=(5, 33))
+    inp = build(case)
+    out = poisoned_out(case, inp)
+    cache = inp.cache
+    handle = max(api._WRAPPERS.keys(), default=0) + 1000  # never handed out
+    with pytest.raises(RuntimeError, match="no longer exists or has no plan"):
+        torch.ops.tsdecode.run_planned(handle, inp.q, cache, None, inp.block_tables, inp.seq_lens,
+                                       out, 1.0, 1.0)
+
+
+def test_compiled_errors_are_the_eager_ones():
+    case = Case(lens=(5, 33))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    scale = torch.tensor(0.5)
+    with pytest.raises(TypeError, match="bmm1_scale must be a real number"):  # at trace time
+        torch.compile(lambda q, cache: w.run(q, cache, bmm1_scale=scale), backend=BACKEND)(inp.q, inp.cache)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="q must have the planned shape"):  # in the op, at run time
+        torch.compile(lambda q, cache: w.run(q[:, :4], cache), fullgraph=True,
+                      backend=BACKEND)(inp.q, inp.cache)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+@pytest.mark.parametrize("with_out", [False, True])
+def test_compiled_oneshot_matches_reference(separate, with_out):
+    case = Case(lens=(1, 17, 40), separate=separate, out_dtype=torch.float32)
+    inp = build(case)
+    out = poisoned_out(case, inp) if with_out else None
+
+    def step(q, cache, block_tables, seq_lens, out):
+        return tsdecode.batch_decode_with_paged_kv_cache(
+            q, cache, block_tables, seq_lens, out=out, out_dtype=torch.float32) + 1.0
+
+    result = torch.compile(step, fullgraph=True, backend=BACKEND)(
+        inp.q, inp.cache, inp.block_tables, inp.seq_lens, out)
+    assert result.dtype == torch.float32
+    check(case, result - 1.0, reference(case, inp))
+    if with_out:
+        check(case, out, reference(case, inp))
+
+
+def test_compiled_oneshot_packed_queries():
+    case = Case(lens=(7, 30, 18), mode="packed", q_lens=(1, 4, 2), mask_type="causal")
+    inp = build(case)
+
+    def step(q, cache, block_tables, seq_lens, qo_indptr):
+        return tsdecode.batch_decode_with_paged_kv_cache(
+            q, cache, block_tables, seq_lens, qo_indptr=qo_indptr, mask_type="causal")
+
+    result = torch.compile(step, fullgraph=True, backend=BACKEND)(
+        inp.q, inp.cache, inp.block_tables, inp.seq_lens, inp.qo_indptr)
+    check(case, result, reference(case, inp))
+
+
+def test_dynamic_shapes():
+    """dynamic=True: symbolic batch and head dims (the default bmm1_scale is taken at run time)."""
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    run = torch.compile(lambda q, cache: w.run(q, cache), fullgraph=True, dynamic=True, backend=BACKEND)
+    oneshot = torch.compile(
+        lambda q, cache, bt, lens: tsdecode.batch_decode_with_paged_kv_cache(q, cache, bt, lens),
+        fullgraph=True, dynamic=True, backend=BACKEND)
+    for lens in ((5, 33, 20), (9, 48)):
+        case = Case(lens=lens)
+        inp = build(case)
+        ref = reference(case, inp)
+        check(case, oneshot(inp.q, inp.cache, inp.block_tables, inp.seq_lens), ref)
+        w.plan(inp.block_tables, inp.seq_lens, case.num_qo_heads, case.num_kv_heads, case.head_dim,
+               case.page_size, q_data_type=case.dtype)
+        check(case, run(inp.q, inp.cache), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_inductor_with_and_without_cuda_graphs(mode):
+    """Inductor, and its CUDA graphs (the op runs between the captured parts): bound lengths
+    changed between calls; without CUDA graphs also a block-table write inside the compiled
+    region, which inductor applies in place before the op reads it (with them, a write to an
+    input makes inductor skip its CUDA graphs, so the page is remapped outside)."""
+    case = Case(lens=(100, 37, 250), num_qo_heads=16, num_kv_heads=4, head_dim=128, extra_cols=0)
+    inp = build(case)
+    cols = inp.block_tables.shape[1]
+    for b in range(len(case.lens)):  # every column a valid page: lengths are bound up to C*P
+        for c in range(cols):
+            if inp.block_tables[b, c] >= inp.num_pages:
+                inp.block_tables[b, c] = (b + c) % inp.num_pages
+    w = plan_wrapper(case, inp, bind_seq_lens=True, max_kv_len=cols * case.page_size)
+    write_inside = mode is None
+
+    def step(q, cache, block_tables, page):
+        if write_inside:
+            block_tables[1, 0] = page
+        return w.run(q, cache) * 1.0
+
+    fn = torch.compile(step, fullgraph=True, mode=mode)
+    pages = (int(inp.block_tables[1, 0]), int(inp.block_tables[2, 5]))
+    for i in range(5):
+        inp.seq_lens[0] = 100 - 10 * i
+        inp.seq_lens[1] = 37 + 50 * i
+        page = torch.tensor(pages[i % 2], dtype=torch.int32, device=DEVICE)
+        if not write_inside:
+            inp.block_tables[1, 0] = page
+        inp.q = torch.randn_like(inp.q)
+        result = fn(inp.q, inp.cache, inp.block_tables, page)
+        torch.cuda.synchronize()
+        assert int(inp.block_tables[1, 0]) == pages[i % 2]
+        check(case, result, reference(case, inp))
