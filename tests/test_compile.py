@@ -141,6 +141,10 @@ def test_compiled_errors_are_the_eager_ones():
     with pytest.raises(TypeError, match="bmm1_scale must be a real number"):  # at trace time
         torch.compile(lambda q, cache: w.run(q, cache, bmm1_scale=scale), backend=BACKEND)(inp.q, inp.cache)
     torch._dynamo.reset()
+    with pytest.raises(Exception, match="bmm1_scale must be a real number"):  # fullgraph: dynamo's, quoting it
+        torch.compile(lambda q, cache: w.run(q, cache, bmm1_scale=scale), fullgraph=True,
+                      backend=BACKEND)(inp.q, inp.cache)
+    torch._dynamo.reset()
     with pytest.raises(ValueError, match="q must have the planned shape"):  # in the op, at run time
         torch.compile(lambda q, cache: w.run(q[:, :4], cache), fullgraph=True,
                       backend=BACKEND)(inp.q, inp.cache)

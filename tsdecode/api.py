@@ -242,7 +242,6 @@ def run_planned_eager(
     _run_plan(plan, q, kv if v is None else (kv, v), bmm1, bmm2, out)
 
 
-
 def _make_plan(
     block_tables, seq_lens_kv, num_qo_heads, num_kv_heads, head_dim, page_size, *,
     seq_len_q, qo_indptr, max_seq_len_q, q_data_type, kv_data_type, o_data_type, mask_type,
@@ -420,64 +419,6 @@ def batch_decode_with_paged_kv_cache(
             q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
             mask_type, window_left, kv_layout, bmm1_scale, bmm2_scale, out, out_dtype,
         )
-    return oneshot_eager(
-        q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q=seq_len_q, qo_indptr=qo_indptr,
-        max_seq_len_q=max_seq_len_q, mask_type=mask_type, window_left=window_left,
-        kv_layout=kv_layout, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out, out_dtype=out_dtype,
-    )
-
-
-def _oneshot_traced(
-    q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q, mask_type,
-    window_left, kv_layout, bmm1_scale, bmm2_scale, out, out_dtype,
-) -> torch.Tensor:
-    """The one-shot op as torch.compile traces it: checks that need no tensor data here (the
-    eager errors), the rest in the op when the graph runs (``oneshot_eager``)."""
-    q = V.require_tensor("q", q)
-    kv, v = V.split_cache(paged_kv_cache)
-    block_tables = V.require_tensor("block_tables", block_tables)
-    seq_lens_kv = V.require_tensor("seq_lens_kv", seq_lens_kv)
-    if qo_indptr is not None:
-        qo_indptr = V.require_tensor("qo_indptr", qo_indptr)
-    V.resolve_query_mode(seq_len_q, qo_indptr, max_seq_len_q)  # ints, and their agreement
-    seq_len_q = int(seq_len_q)
-    max_seq_len_q = None if max_seq_len_q is None else int(max_seq_len_q)
-    V.validate_kv_layout(kv_layout)
-    _, window_left = V.validate_mask(mask_type, window_left)
-    bmm1, bmm2 = _traced_scales(bmm1_scale, bmm2_scale)
-    if out is not None:
-        out = V.require_tensor("out", out)
-        if out_dtype is not None and out_dtype != out.dtype:
-            raise TypeError(f"out_dtype={out_dtype} disagrees with out.dtype={out.dtype}")
-    else:
-        if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
-            raise TypeError(f"out_dtype must be a torch.dtype or None, got {type(out_dtype).__name__}")
-        out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
-    torch.ops.tsdecode.decode_oneshot(
-        q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q, mask_type,
-        window_left, bmm1, bmm2, out,
-    )
-    return out
-
-
-def oneshot_eager(
-    q: torch.Tensor,
-    paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    block_tables: torch.Tensor,
-    seq_lens_kv: torch.Tensor,
-    *,
-    seq_len_q: int = 1,
-    qo_indptr: torch.Tensor | None = None,
-    max_seq_len_q: int | None = None,
-    mask_type: Literal["dense", "causal"] = "dense",
-    window_left: int = -1,
-    kv_layout: Literal["HND"] = "HND",
-    bmm1_scale: float | None = None,
-    bmm2_scale: float = 1.0,
-    out: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """``batch_decode_with_paged_kv_cache`` run eagerly (also the body of its compiled op)."""
     q = V.require_tensor("q", q)
     if q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -519,3 +460,36 @@ def oneshot_eager(
         # plan compiled (or compiles them), and the launch below skips triton's dispatch.
         _warm_up(plan)
     return _run_plan(plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out)
+
+
+def _oneshot_traced(
+    q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q, mask_type,
+    window_left, kv_layout, bmm1_scale, bmm2_scale, out, out_dtype,
+) -> torch.Tensor:
+    """The one-shot op as torch.compile traces it: checks that need no tensor data here (the
+    eager errors), the rest in the op when the graph runs (the eager function, called by it)."""
+    q = V.require_tensor("q", q)
+    kv, v = V.split_cache(paged_kv_cache)
+    block_tables = V.require_tensor("block_tables", block_tables)
+    seq_lens_kv = V.require_tensor("seq_lens_kv", seq_lens_kv)
+    if qo_indptr is not None:
+        qo_indptr = V.require_tensor("qo_indptr", qo_indptr)
+    V.resolve_query_mode(seq_len_q, qo_indptr, max_seq_len_q)  # ints, and their agreement
+    seq_len_q = int(seq_len_q)
+    max_seq_len_q = None if max_seq_len_q is None else int(max_seq_len_q)
+    V.validate_kv_layout(kv_layout)
+    _, window_left = V.validate_mask(mask_type, window_left)
+    bmm1, bmm2 = _traced_scales(bmm1_scale, bmm2_scale)
+    if out is not None:
+        out = V.require_tensor("out", out)
+        if out_dtype is not None and out_dtype != out.dtype:
+            raise TypeError(f"out_dtype={out_dtype} disagrees with out.dtype={out.dtype}")
+    else:
+        if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"out_dtype must be a torch.dtype or None, got {type(out_dtype).__name__}")
+        out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
+    torch.ops.tsdecode.decode_oneshot(
+        q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q, mask_type,
+        window_left, bmm1, bmm2, out,
+    )
+    return out

@@ -40,7 +40,7 @@ _LIB.define(
 
 def _decode_oneshot(q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
                     mask_type, window_left, bmm1_scale, bmm2_scale, out) -> None:
-    api.oneshot_eager(
+    api.batch_decode_with_paged_kv_cache(
         q, kv if v is None else (kv, v), block_tables, seq_lens_kv, seq_len_q=seq_len_q,
         qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q, mask_type=mask_type,
         window_left=window_left, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out,
