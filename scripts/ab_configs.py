@@ -1,7 +1,8 @@
 """Same-run timing of explicit configs on a few shapes (CUDA-graph method, two interleaved rounds).
 
-Shapes: B:L:Hq:Hkv[:r][:fp8][:dD][:qN] (r = ragged lengths in [L/2, L], fp8 = float8_e4m3fn K/V
-cache, dD = head dim D instead of 128, qN = N query tokens a request with the causal mask);
+Shapes: B:L:Hq:Hkv[:r][:fp8][:f16][:dD][:qN] (r = ragged lengths in [L/2, L], fp8 = float8_e4m3fn
+K/V cache, f16 = float16 q and output (and cache) instead of bfloat16, dD = head dim D instead of
+128, qN = N query tokens a request with the causal mask);
 configs: block_n[xblock_m]/splits/warps/stages (block_m 16 unless given; splits "pX": the count
 closest to X programs per SM,
 round(X * SMs / (B * Hkv))), "heur" for what the plan picks today (table or heuristic) or "rule"
@@ -73,8 +74,10 @@ copy = copy_bandwidth_gbs(dev)
 print(f"# copy {copy:.0f} GB/s; torch {torch.__version__}; {torch.cuda.get_device_name(dev)}", flush=True)
 for text in args.shapes.split(","):
     f = text.split(":")
+    io_dtype = "float16" if "f16" in f[4:] else "bfloat16"  # q and out (and a 16-bit cache)
     spec = ShapeSpec(batch_size=int(f[0]), kv_len=int(f[1]), num_qo_heads=int(f[2]), num_kv_heads=int(f[3]),
-                     ragged="r" in f[4:], kv_dtype="float8_e4m3fn" if "fp8" in f[4:] else "bfloat16",
+                     ragged="r" in f[4:], kv_dtype="float8_e4m3fn" if "fp8" in f[4:] else io_dtype,
+                     q_dtype=io_dtype, o_dtype=io_dtype,
                      head_dim=next((int(x[1:]) for x in f[4:] if x.startswith("d")), 128),
                      seq_len_q=next((int(x[1:]) for x in f[4:] if x.startswith("q")), 1))
     if spec.seq_len_q > 1:

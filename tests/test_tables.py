@@ -201,6 +201,34 @@ def test_no_entry_for_the_class_uses_the_heuristic(tmp_path, caplog):
     assert messages(caplog) == []  # the GPU has a table: a missing class is not worth a warning
 
 
+def test_the_other_16bit_dtype_class_stands_in_for_a_missing_class(tmp_path, user_dir):
+    """float16 and bfloat16 run the same kernel and configs: a class absent from every matching
+    table takes the other 16-bit dtype's entries (noted), after every table's own class."""
+    fp16 = dict(q_dtype=torch.float16, kv_dtype=torch.float16, o_dtype=torch.float16)
+    write(user_dir, num_warps=2)  # bfloat16 only
+    hit = tables.lookup(make_shape(**fp16), CPU, device_info=H200)
+    assert hit.kernel_config.num_warps == 2 and hit.bucket == (64, 8192)
+    assert hit.notes == ("entries of class q=bfloat16,kv=bfloat16,o=bfloat16,d=128,g=4,hkv=8,p=16,"
+                         "sq=1,mask=dense (float16 and bfloat16 share kernel and configs)",)
+    # a plan of a float16 problem takes it end to end
+    tables.set_device_info_override(H200)
+    selected = select_config(make_shape(**fp16), CPU)
+    assert selected.source == "table" and selected.kernel_config.num_warps == 2
+    assert any("share kernel and configs" in a for a in selected.adjustments)
+    # the class itself in a later table (shipped) beats the sibling in an earlier one (user)
+    write(tables.shipped_config_dir(), num_warps=8, shape=make_shape(**fp16))
+    hit = tables.lookup(make_shape(**fp16), CPU, device_info=H200)
+    assert hit.kernel_config.num_warps == 8 and hit.notes == ()
+    # and the other way round: a bfloat16 shape with only float16 entries (fp8 cache, fp32 out)
+    fp8 = dict(kv_dtype=torch.float8_e4m3fn, o_dtype=torch.float32)
+    write(tmp_path / "fp8", num_warps=1, shape=make_shape(q_dtype=torch.float16, **fp8))
+    hit = tables.lookup(make_shape(**fp8), CPU, config_dir=tmp_path / "fp8", device_info=H200)
+    assert hit.kernel_config.num_warps == 1 and "q=float16,kv=float8_e4m3fn,o=float32" in hit.notes[0]
+    # no 16-bit dtype in the key (fp8 query, fp32 output): no stand-in
+    assert tables.sibling_class_key(tables.problem_class_key(make_shape(
+        q_dtype=torch.float8_e4m3fn, kv_dtype=torch.float8_e4m3fn, o_dtype=torch.float32))) is None
+
+
 def test_device_name_variants(user_dir, caplog):
     write(user_dir, num_warps=2)  # NVIDIA H200
     hit = tables.lookup(make_shape(), CPU, device_info=H200_NVL)

@@ -151,6 +151,23 @@ def problem_class_key(shape: ProblemShape) -> str:
     )
 
 
+_SIBLING_16BIT = {"float16": "bfloat16", "bfloat16": "float16"}
+
+
+def sibling_class_key(key: str) -> str | None:
+    """The class key with float16 and bfloat16 swapped in every dtype field (None: no 16-bit
+    dtype in it). Both run the same kernel code, loads and config space (only the dot's operand
+    type differs), so a class tuned in one dtype is the nearest entry for the other."""
+    fields = []
+    swapped = False
+    for field_ in key.split(","):
+        name, _, value = field_.partition("=")
+        if name in ("q", "kv", "o") and value in _SIBLING_16BIT:
+            value, swapped = _SIBLING_16BIT[value], True
+        fields.append(f"{name}={value}")
+    return ",".join(fields) if swapped else None
+
+
 def bucket_of(batch_size: int, kv_len: int) -> tuple[int, int]:
     """(batch_size, kv_len) rounded up to powers of two: the table bucket a plan falls into."""
     return next_power_of_2(batch_size), next_power_of_2(kv_len)
@@ -890,9 +907,11 @@ def _resolve(
         return None
     key = problem_class_key(shape)
     bucket = bucket_of(shape.batch_size, shape.max_kv_len)
+    where = f"({shape.batch_size}, {shape.max_kv_len})"
     matched = False
     searched: list[str] = []
     warned: list[str] = []
+    without_class: list[tuple[Table, tuple[str, ...]]] = []
     for origin, source, is_explicit in _sources(explicit, origin, info):
         searched.append(source)
         if trace is not None:
@@ -904,19 +923,19 @@ def _resolve(
                     ("stale", table.path, note.split(" (")[0]),
                     f"tuned config table {table.path}: {note}; re-tune with `{TUNE_COMMAND}`",
                 )
-            best = table.nearest_bucket(key, bucket)
-            if best is None:
-                if trace is not None:
-                    trace.append(f"    {table.path}: matches the device, no entry for this class")
-                continue
-            notes = match_notes + table.stale
-            if best != bucket:
-                where = f"({shape.batch_size}, {shape.max_kv_len})"
-                notes = (f"nearest bucket {best} for {where}",) + notes
-            entry = table.entries[key][best]
+            hit = _hit(table, key, bucket, where, match_notes, trace)
+            if hit is not None:
+                return hit
             if trace is not None:
-                trace.append(f"    {table.path}: bucket {best} -> hit")
-            return TableHit(entry.kernel_config, table.path, best, notes, entry)
+                trace.append(f"    {table.path}: matches the device, no entry for this class")
+            without_class.append((table, match_notes))
+    sibling = sibling_class_key(key)
+    for table, match_notes in without_class if sibling else ():
+        # Every matching table lacks the class itself: the other 16-bit dtype's entries.
+        note = f"entries of class {sibling} (float16 and bfloat16 share kernel and configs)"
+        hit = _hit(table, sibling, bucket, where, (note,) + match_notes, trace)
+        if hit is not None:
+            return hit
     if not matched and not warned:  # else the cause has had its one warning
         if info is not None:
             _warn_once(
@@ -929,6 +948,21 @@ def _resolve(
             _warn_once(("missing", explicit),
                        f"no usable tuned config table in {explicit}; using the heuristic config")
     return None
+
+
+def _hit(table: Table, key: str, bucket: tuple[int, int], where: str, notes: tuple[str, ...],
+         trace: list[str] | None) -> TableHit | None:
+    """``table``'s entry of class ``key`` nearest to ``bucket`` (None: no entry of the class)."""
+    best = table.nearest_bucket(key, bucket)
+    if best is None:
+        return None
+    notes = notes + table.stale
+    if best != bucket:
+        notes = (f"nearest bucket {best} for {where}",) + notes
+    entry = table.entries[key][best]
+    if trace is not None:
+        trace.append(f"    {table.path}: {key} bucket {best} -> hit")
+    return TableHit(entry.kernel_config, table.path, best, notes, entry)
 
 
 def lookup(
