@@ -671,6 +671,10 @@ def test_split_choices_cover_powers_waves_and_default():
     mha = ShapeSpec(1, 32768, num_qo_heads=8, num_kv_heads=8).to_problem_shape()  # 1 row
     assert search.build_space(mha, 132, search.SpaceLimits(), heuristic_config(mha, 132))[
         "block_m"] == (1, 2, 4, 8, 16)
+    for hq, fma in ((16, (1, 2, 4, 8)), (24, ())):  # 2 rows: FMA searched; 3 rows: not
+        rows = ShapeSpec(1, 32768, num_qo_heads=hq, num_kv_heads=8).to_problem_shape()
+        assert search.build_space(rows, 132, search.SpaceLimits(), heuristic_config(rows, 132))[
+            "block_m"] == fma + (16,)
     wide = ShapeSpec(1, 32768, num_qo_heads=64, num_kv_heads=2).to_problem_shape()  # 32 rows
     assert search.build_space(wide, 132, search.SpaceLimits(), heuristic_config(wide, 132))[
         "block_m"] == (16, 32)

@@ -136,7 +136,7 @@ def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool) -> None:
         s.add_argument(f"--{name}", type=_int_list, default=None, metavar="LIST",
                        help=f"restrict {name.replace('-', '_')} to these values" +
                             (" (default: per shape)" if choices is None else "") +
-                            (" (default: below 16 only at 1-3 query rows a KV head)"
+                            (" (default: below 16 only at 1-2 query rows a KV head)"
                              if name == "block-m" else ""))
     m = p.add_argument_group("measurement")
     m.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")

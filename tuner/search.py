@@ -97,10 +97,11 @@ class SpaceLimits:
 
 
 # block_m below DOT_MIN_BLOCK_M (FMA reductions) is searched by default only for shapes with at
-# most this many query rows a KV head. In every committed H200 trial log (145 buckets, 37% of
+# most this many query rows a KV head. In every committed H200 trial log (157 buckets, 37% of
 # their trials on FMA configs) an FMA config never won: within 1-9% of the best at 1 row (MHA),
-# at least 1.3x slower at 4 rows and more (median 3.3x). --block-m still searches them anywhere.
-FMA_MAX_ROWS = 3
+# 2.0-9.4x slower at 3 rows (llama3.2-3b, 12 buckets), at least 1.3x slower at 4 rows and more
+# (median 3.3x). --block-m still searches them anywhere.
+FMA_MAX_ROWS = 2
 
 
 def split_choices(shape: ProblemShape, num_sms: int, block_n_choices: Sequence[int],
