@@ -7,6 +7,7 @@ stale page IDs. CPU: the ops run the kernels in the interpreter; GPU: also induc
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 
 import pytest
@@ -33,14 +34,28 @@ def _counted():
     return CompileCounterWithBackend(BACKEND)
 
 
+def _count_runs(monkeypatch) -> list:
+    """Count the op bodies' eager runs (``api._run_plan`` calls): one per compiled call."""
+    calls = []
+    real = api._run_plan
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(api, "_run_plan", counting)
+    return calls
+
+
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("with_out", [False, True])
-def test_compiled_run_matches_reference(separate, with_out):
+def test_compiled_run_matches_reference(separate, with_out, monkeypatch):
     case = Case(lens=(1, 17, 40), separate=separate, bmm2_scale=0.5, config=tsdecode.KernelConfig(
         block_n=16, block_m=16, num_kv_splits=2, num_warps=1, num_stages=1))
     inp = build(case)
     w = plan_wrapper(case, inp)
     counter = _counted()
+    runs = _count_runs(monkeypatch)
 
     def step(q, cache, out):
         return w.run(q, cache, bmm2_scale=0.5, out=out) * 2.0
@@ -54,7 +69,7 @@ def test_compiled_run_matches_reference(separate, with_out):
         check(case, result / 2.0, reference(case, inp))
         if with_out:
             check(case, out, reference(case, inp))
-    assert counter.frame_count == 1
+    assert counter.frame_count == 1 and len(runs) == 2
 
 
 def test_compiled_run_follows_replans_without_recompiling():
@@ -69,6 +84,23 @@ def test_compiled_run_follows_replans_without_recompiling():
                case.page_size, q_data_type=case.dtype)
         check(case, fn(inp.q, inp.cache), reference(case, inp))
     assert counter.frame_count == 1
+
+
+def test_new_wrappers_and_batch_sizes_need_no_recompile():
+    """A new wrapper (an engine's next step, a model's next layer) and a re-plan to another batch
+    size reuse the graph: the handle is a tensor input, the output takes q's shape (dynamic)."""
+    counter = _counted()
+    fn = torch.compile(lambda w, q, cache: w.run(q, cache), fullgraph=True, dynamic=True,
+                       backend=counter)
+    first = None
+    # batch sizes >= 2: dynamo specialises a size of 1 in any graph (its 0/1 rule)
+    for lens in ((5, 33, 20), (9, 48), (16, 17, 31, 2), (3, 3, 3), (7, 8), (1, 60, 2, 2, 9)):
+        case = Case(lens=lens)
+        inp = build(case)
+        w = plan_wrapper(case, inp)
+        check(case, fn(w, inp.q, inp.cache), reference(case, inp))
+        first = first or counter.frame_count  # the first call's compile (it may restart once)
+    assert counter.frame_count == first
 
 
 def test_compiled_run_packed_causal_queries():
@@ -105,7 +137,7 @@ def test_copies_of_a_wrapper_are_wrappers_of_their_own():
     inp = build(case)
     w = plan_wrapper(case, inp)
     twin = copy.copy(w)
-    assert twin._handle != w._handle and twin._plan is w._plan
+    assert int(twin._handle) != int(w._handle) and twin._plan is w._plan
     fn_twin = torch.compile(lambda q, cache: twin.run(q, cache), fullgraph=True, backend=BACKEND)
     fn_w = torch.compile(lambda q, cache: w.run(q, cache), fullgraph=True, backend=BACKEND)
     check(case, fn_twin(inp.q, inp.cache), reference(case, inp))
@@ -119,18 +151,21 @@ def test_copies_of_a_wrapper_are_wrappers_of_their_own():
         with pytest.raises(TypeError, match="cannot be deep-copied or pickled"):
             deep(w)
         fresh = deep(tsdecode.BatchDecodePagedTSWrapper())
-        assert fresh._plan is None and api._WRAPPERS[fresh._handle] is fresh
+        assert fresh._plan is None and api._WRAPPERS[int(fresh._handle)] is fresh
 
 
-def test_the_op_refuses_a_wrapper_that_is_gone():
+def test_the_registry_keeps_no_wrapper_alive_and_the_op_refuses_a_gone_one():
     case = Case(lens=(5, 33))
     inp = build(case)
-    out = poisoned_out(case, inp)
-    cache = inp.cache
-    handle = max(api._WRAPPERS.keys(), default=0) + 1000  # never handed out
+    w = plan_wrapper(case, inp)
+    handle, plan = w._handle, w._plan
+    assert api._WRAPPERS[int(handle)] is w
+    del w
+    gc.collect()
+    assert int(handle) not in api._WRAPPERS
     with pytest.raises(RuntimeError, match="no longer exists or has no plan"):
-        torch.ops.tsdecode.run_planned(handle, inp.q, cache, None, inp.block_tables, inp.seq_lens,
-                                       out, 1.0, 1.0)
+        torch.ops.tsdecode.run_planned(handle, inp.q, inp.cache, None, plan.block_tables, plan.seq_lens,
+                                       poisoned_out(case, inp), 1.0, 1.0)
 
 
 def test_compiled_errors_are_the_eager_ones():
@@ -201,11 +236,13 @@ def test_dynamic_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_inductor_with_and_without_cuda_graphs(mode):
-    """Inductor, and its CUDA graphs (the op runs between the captured parts): bound lengths
-    changed between calls; without CUDA graphs also a block-table write inside the compiled
-    region, which inductor applies in place before the op reads it (with them, a write to an
-    input makes inductor skip its CUDA graphs, so the page is remapped outside)."""
+def test_inductor_with_and_without_cuda_graphs(mode, monkeypatch):
+    """Inductor, and its CUDA graphs (the op runs between the captured parts: one eager run per
+    call, counted). Bound lengths changed between calls; a re-plan with fixed lengths between
+    calls (a captured op would replay the old plan: its lengths copy, its scratch); without CUDA
+    graphs also a block-table write inside the compiled region, which inductor applies in place
+    before the op reads it (with them, a write to an input makes inductor skip its CUDA graphs,
+    so the page is remapped outside)."""
     case = Case(lens=(100, 37, 250), num_qo_heads=16, num_kv_heads=4, head_dim=128, extra_cols=0)
     inp = build(case)
     cols = inp.block_tables.shape[1]
@@ -215,6 +252,7 @@ def test_inductor_with_and_without_cuda_graphs(mode):
                 inp.block_tables[b, c] = (b + c) % inp.num_pages
     w = plan_wrapper(case, inp, bind_seq_lens=True, max_kv_len=cols * case.page_size)
     write_inside = mode is None
+    runs = _count_runs(monkeypatch)
 
     def step(q, cache, block_tables, page):
         if write_inside:
@@ -223,14 +261,21 @@ def test_inductor_with_and_without_cuda_graphs(mode):
 
     fn = torch.compile(step, fullgraph=True, mode=mode)
     pages = (int(inp.block_tables[1, 0]), int(inp.block_tables[2, 5]))
-    for i in range(5):
+    calls = 0
+    for i in range(6):
         inp.seq_lens[0] = 100 - 10 * i
-        inp.seq_lens[1] = 37 + 50 * i
+        inp.seq_lens[1] = 37 + 40 * i
+        if i >= 3:  # re-plans with fixed lengths (plan-owned copies), same shapes
+            w = plan_wrapper(case, inp) if i == 3 else w
+            w.plan(inp.block_tables, inp.seq_lens.clone(), case.num_qo_heads, case.num_kv_heads,
+                   case.head_dim, case.page_size, q_data_type=case.dtype)
         page = torch.tensor(pages[i % 2], dtype=torch.int32, device=DEVICE)
         if not write_inside:
             inp.block_tables[1, 0] = page
         inp.q = torch.randn_like(inp.q)
         result = fn(inp.q, inp.cache, inp.block_tables, page)
+        calls += 1
         torch.cuda.synchronize()
         assert int(inp.block_tables[1, 0]) == pages[i % 2]
         check(case, result, reference(case, inp))
+    assert len(runs) >= calls  # warm-up runs included; never fewer (a replay skipping the op)

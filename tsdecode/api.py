@@ -181,27 +181,30 @@ class BatchDecodePagedTSWrapper:
         return _run_plan(self._plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out)
 
 
-# Wrappers by handle, for the compiled path: its op takes the handle (an int) and finds the
-# wrapper's plan at call time. Weak: the registry keeps no wrapper (or its scratch) alive.
+# Wrappers by handle, for the compiled path: its op takes the handle and finds the wrapper's
+# plan at call time. Weak: the registry keeps no wrapper (or its scratch) alive. The handle is a
+# 0-d int64 CPU tensor (read without a device sync), so a compiled graph takes it as an input:
+# as a Python int it would be a constant of the graph, and every new wrapper a recompile.
 _WRAPPERS: weakref.WeakValueDictionary[int, BatchDecodePagedTSWrapper] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
 
 
-def _register_wrapper(wrapper: BatchDecodePagedTSWrapper) -> int:
+def _register_wrapper(wrapper: BatchDecodePagedTSWrapper) -> torch.Tensor:
     handle = next(_HANDLES)
     _WRAPPERS[handle] = wrapper
-    return handle
+    return torch.tensor(handle, dtype=torch.int64)
 
 
-def _run_traced(handle: int, plan: _Plan, q, paged_kv_cache, bmm1_scale, bmm2_scale, out) -> torch.Tensor:
+def _run_traced(handle: torch.Tensor, plan: _Plan, q, paged_kv_cache, bmm1_scale, bmm2_scale,
+                out) -> torch.Tensor:
     """``run`` as torch.compile traces it: what needs no tensor data is checked here (the
     errors are the eager ones), the rest in the op at run time (``run_planned_eager``). The plan's
     block table and lengths are the op's inputs, so the graph orders their writes before it."""
     q = V.require_tensor("q", q)
     kv, v = V.split_cache(paged_kv_cache)
     bmm1, bmm2 = _traced_scales(bmm1_scale, bmm2_scale)
-    if out is None:
-        out = torch.empty(plan.q_shape, dtype=plan.o_dtype, device=plan.device)
+    if out is None:  # q's shape, not the plan's: a plan's shape would be a constant of the graph
+        out = torch.empty(q.shape, dtype=plan.o_dtype, device=q.device)
     else:
         out = V.require_tensor("out", out)
     torch.ops.tsdecode.run_planned(handle, q, kv, v, plan.block_tables, plan.seq_lens, out, bmm1, bmm2)
@@ -217,14 +220,14 @@ def _traced_scales(bmm1_scale, bmm2_scale) -> tuple[float | None, float]:
 
 
 def run_planned_eager(
-    handle: int, q: torch.Tensor, kv: torch.Tensor, v: torch.Tensor | None,
+    handle: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, v: torch.Tensor | None,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, bmm1: float | None,
     bmm2: float,
 ) -> None:
     """Body of ``torch.ops.tsdecode.run_planned``: the eager ``run`` of the wrapper ``handle``
     into ``out``. block_tables / seq_lens must be the plan's own tensors: a compiled graph that
     wrote them before the op may hand over a copy, which the planned launch would not read."""
-    wrapper = _WRAPPERS.get(handle)
+    wrapper = _WRAPPERS.get(int(handle))
     plan = None if wrapper is None else wrapper._plan
     if plan is None:
         raise RuntimeError(

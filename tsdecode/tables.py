@@ -930,6 +930,8 @@ def _resolve(
                 trace.append(f"    {table.path}: matches the device, no entry for this class")
             without_class.append((table, match_notes))
     sibling = sibling_class_key(key)
+    if sibling and without_class and trace is not None:
+        trace.append(f"  no matching table holds this class; its float16/bfloat16 sibling {sibling}:")
     for table, match_notes in without_class if sibling else ():
         # Every matching table lacks the class itself: the other 16-bit dtype's entries.
         note = f"entries of class {sibling} (float16 and bfloat16 share kernel and configs)"

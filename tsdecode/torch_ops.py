@@ -16,26 +16,46 @@ from . import api
 
 # Inductor's CUDA graphs (mode="reduce-overhead") leave these ops out of their captures: a
 # capture would keep a plan's kernels and scratch past a re-plan, and the one-shot op reads the
-# lengths on the host. run() itself stays capturable with torch.cuda.graph after plan().
+# lengths on the host. run() itself stays capturable with torch.cuda.graph after plan(). The tag
+# exists from torch 2.9; before it, run_planned refuses a capture instead (a stale replay would
+# be silent).
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
-_LIB = torch.library.Library("tsdecode", "DEF")
 
-# run() of the wrapper `handle` into out: a combined cache kv, or K = kv and V = v.
-_LIB.define(
-    "run_planned(int handle, Tensor q, Tensor kv, Tensor? v, Tensor block_tables, Tensor seq_lens, "
-    "Tensor(a!) out, float? bmm1_scale, float bmm2_scale) -> ()",
-    tags=_TAGS,
-)
-_LIB.impl("run_planned", api.run_planned_eager, "CompositeExplicitAutograd")
+def _run_planned(handle, q, kv, v, block_tables, seq_lens, out, bmm1_scale, bmm2_scale) -> None:
+    if not _TAGS and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"torch {torch.__version__} has no cudagraph_unsafe tag, so a CUDA graph captured "
+            "around a compiled call could replay run() past a re-plan: compile without "
+            'mode="reduce-overhead", or capture run() itself with torch.cuda.graph after plan()'
+        )
+    api.run_planned_eager(handle, q, kv, v, block_tables, seq_lens, out, bmm1_scale, bmm2_scale)
+
+
+# Defined once per process: a module reload (e.g. IPython's autoreload) runs this file again in
+# the same namespace, where _LIB (whose lifetime is the ops' registration) already exists.
+_DEFINED = "_LIB" in globals()
+if not _DEFINED:
+    _LIB = torch.library.Library("tsdecode", "DEF")
+
+# run() of the wrapper `handle` (a 0-d int64 CPU tensor) into out: a combined cache kv, or
+# K = kv and V = v.
+if not _DEFINED:
+    _LIB.define(
+        "run_planned(Tensor handle, Tensor q, Tensor kv, Tensor? v, Tensor block_tables, "
+        "Tensor seq_lens, Tensor(a!) out, float? bmm1_scale, float bmm2_scale) -> ()",
+        tags=_TAGS,
+    )
+    _LIB.impl("run_planned", _run_planned, "CompositeExplicitAutograd")
 
 # batch_decode_with_paged_kv_cache into out (reads the lengths on the host).
-_LIB.define(
-    "decode_oneshot(Tensor q, Tensor kv, Tensor? v, Tensor block_tables, Tensor seq_lens_kv, "
-    "int seq_len_q, Tensor? qo_indptr, int? max_seq_len_q, str mask_type, int window_left, "
-    "float? bmm1_scale, float bmm2_scale, Tensor(a!) out) -> ()",
-    tags=_TAGS,
-)
+if not _DEFINED:
+    _LIB.define(
+        "decode_oneshot(Tensor q, Tensor kv, Tensor? v, Tensor block_tables, Tensor seq_lens_kv, "
+        "int seq_len_q, Tensor? qo_indptr, int? max_seq_len_q, str mask_type, int window_left, "
+        "float? bmm1_scale, float bmm2_scale, Tensor(a!) out) -> ()",
+        tags=_TAGS,
+    )
 
 
 def _decode_oneshot(q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
@@ -47,15 +67,16 @@ def _decode_oneshot(q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, m
     )
 
 
-_LIB.impl("decode_oneshot", _decode_oneshot, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("tsdecode::run_planned", lib=_LIB)
 def _run_planned_fake(handle, q, kv, v, block_tables, seq_lens, out, bmm1_scale, bmm2_scale) -> None:
     return None
 
 
-@torch.library.register_fake("tsdecode::decode_oneshot", lib=_LIB)
 def _decode_oneshot_fake(q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
                          mask_type, window_left, bmm1_scale, bmm2_scale, out) -> None:
     return None
+
+
+if not _DEFINED:
+    _LIB.impl("decode_oneshot", _decode_oneshot, "CompositeExplicitAutograd")
+    torch.library.register_fake("tsdecode::run_planned", _run_planned_fake, lib=_LIB)
+    torch.library.register_fake("tsdecode::decode_oneshot", _decode_oneshot_fake, lib=_LIB)
