@@ -234,6 +234,23 @@ def test_dynamic_shapes():
         check(case, run(inp.q, inp.cache), ref)
 
 
+def test_a_module_reload_keeps_the_ops():
+    """importlib.reload (e.g. IPython's autoreload) neither re-defines the ops (an error) nor
+    drops them (the library object's lifetime is their registration)."""
+    import importlib
+
+    from tsdecode import torch_ops
+
+    importlib.reload(torch_ops)
+    gc.collect()
+    assert hasattr(torch.ops.tsdecode, "run_planned") and hasattr(torch.ops.tsdecode, "decode_oneshot")
+    case = Case(lens=(5, 33))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    check(case, torch.compile(lambda q, cache: w.run(q, cache), fullgraph=True, backend=BACKEND)(
+        inp.q, inp.cache), reference(case, inp))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_inductor_with_and_without_cuda_graphs(mode, monkeypatch):

@@ -21,8 +21,20 @@ from . import api
 # be silent).
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
+# handle: the wrapper's 0-d int64 CPU tensor; kv: a combined cache, or K with V in v.
+_RUN_PLANNED = (
+    "run_planned(Tensor handle, Tensor q, Tensor kv, Tensor? v, Tensor block_tables, "
+    "Tensor seq_lens, Tensor(a!) out, float? bmm1_scale, float bmm2_scale) -> ()"
+)
+_DECODE_ONESHOT = (
+    "decode_oneshot(Tensor q, Tensor kv, Tensor? v, Tensor block_tables, Tensor seq_lens_kv, "
+    "int seq_len_q, Tensor? qo_indptr, int? max_seq_len_q, str mask_type, int window_left, "
+    "float? bmm1_scale, float bmm2_scale, Tensor(a!) out) -> ()"
+)
+
 
 def _run_planned(handle, q, kv, v, block_tables, seq_lens, out, bmm1_scale, bmm2_scale) -> None:
+    """run() of the wrapper ``handle`` into out."""
     if not _TAGS and q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"torch {torch.__version__} has no cudagraph_unsafe tag, so a CUDA graph captured "
@@ -32,34 +44,9 @@ def _run_planned(handle, q, kv, v, block_tables, seq_lens, out, bmm1_scale, bmm2
     api.run_planned_eager(handle, q, kv, v, block_tables, seq_lens, out, bmm1_scale, bmm2_scale)
 
 
-# Defined once per process: a module reload (e.g. IPython's autoreload) runs this file again in
-# the same namespace, where _LIB (whose lifetime is the ops' registration) already exists.
-_DEFINED = "_LIB" in globals()
-if not _DEFINED:
-    _LIB = torch.library.Library("tsdecode", "DEF")
-
-# run() of the wrapper `handle` (a 0-d int64 CPU tensor) into out: a combined cache kv, or
-# K = kv and V = v.
-if not _DEFINED:
-    _LIB.define(
-        "run_planned(Tensor handle, Tensor q, Tensor kv, Tensor? v, Tensor block_tables, "
-        "Tensor seq_lens, Tensor(a!) out, float? bmm1_scale, float bmm2_scale) -> ()",
-        tags=_TAGS,
-    )
-    _LIB.impl("run_planned", _run_planned, "CompositeExplicitAutograd")
-
-# batch_decode_with_paged_kv_cache into out (reads the lengths on the host).
-if not _DEFINED:
-    _LIB.define(
-        "decode_oneshot(Tensor q, Tensor kv, Tensor? v, Tensor block_tables, Tensor seq_lens_kv, "
-        "int seq_len_q, Tensor? qo_indptr, int? max_seq_len_q, str mask_type, int window_left, "
-        "float? bmm1_scale, float bmm2_scale, Tensor(a!) out) -> ()",
-        tags=_TAGS,
-    )
-
-
 def _decode_oneshot(q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
                     mask_type, window_left, bmm1_scale, bmm2_scale, out) -> None:
+    """batch_decode_with_paged_kv_cache into out (reads the lengths on the host)."""
     api.batch_decode_with_paged_kv_cache(
         q, kv if v is None else (kv, v), block_tables, seq_lens_kv, seq_len_q=seq_len_q,
         qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q, mask_type=mask_type,
@@ -67,16 +54,17 @@ def _decode_oneshot(q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, m
     )
 
 
-def _run_planned_fake(handle, q, kv, v, block_tables, seq_lens, out, bmm1_scale, bmm2_scale) -> None:
+def _no_output(*args) -> None:
+    """The ops' fake implementation: they only write ``out``."""
     return None
 
 
-def _decode_oneshot_fake(q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
-                         mask_type, window_left, bmm1_scale, bmm2_scale, out) -> None:
-    return None
-
-
-if not _DEFINED:
-    _LIB.impl("decode_oneshot", _decode_oneshot, "CompositeExplicitAutograd")
-    torch.library.register_fake("tsdecode::run_planned", _run_planned_fake, lib=_LIB)
-    torch.library.register_fake("tsdecode::decode_oneshot", _decode_oneshot_fake, lib=_LIB)
+# Registered once per process: a module reload (e.g. IPython's autoreload) runs this file again
+# in the same namespace, where _LIB (whose lifetime is the ops' registration) already exists.
+if "_LIB" not in globals():
+    _LIB = torch.library.Library("tsdecode", "DEF")
+    for _schema, _impl in ((_RUN_PLANNED, _run_planned), (_DECODE_ONESHOT, _decode_oneshot)):
+        _name = _schema.split("(", 1)[0]
+        _LIB.define(_schema, tags=_TAGS)
+        _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"tsdecode::{_name}", _no_output, lib=_LIB)
