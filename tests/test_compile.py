@@ -114,11 +114,12 @@ def test_compiled_run_packed_causal_queries():
 
 def test_block_table_written_inside_the_compiled_region_is_refused_or_read():
     """A write the graph defers past the op (functionalization) would leave the planned kernels
-    reading the old page IDs: the op refuses it. (Inductor applies it in place first: test_gpu.)"""
+    reading the old page IDs: the op refuses it. (Inductor applies it in place first: the GPU
+    test at the end of this file.)"""
     case = Case(lens=(20, 33))
     inp = build(case)
     w = plan_wrapper(case, inp)
-    spare = inp.num_pages - 1  # unused by either request
+    spare = inp.num_pages - 1  # a valid page ID (whether a request uses it does not matter here)
 
     def step(q, cache, block_tables):
         block_tables[0, 0] = spare
