@@ -7,7 +7,8 @@ configs: block_n[xblock_m]/splits/warps/stages (block_m 16 unless given; splits 
 closest to X programs per SM,
 round(X * SMs / (B * Hkv))), "heur" for what the plan picks today (table or heuristic) or "rule"
 for what it picks without a table (``heuristic_config``, scaled to ragged lengths; "rule-wide"
-the same without its lean tiles for 17-32 query rows, ``_wide_rows_lean``), each with an
+the same without its lean tiles for 17-32 query rows, ``_wide_rows_lean``; "rule@PATH" the
+rule of the configs.py at PATH, e.g. an earlier revision's, with no "/R"), each with an
 optional "/R" that launches the split kernel with triton's maxnreg=R register cap (an
 experiment: not part of the config space), and an optional ":" suffix of letters: "t" or "s"
 forces the split kernel's transposed or standard product form (``transposed_products``; without
@@ -68,6 +69,20 @@ def _scratch(geometry, config, device):
 
 
 tsdecode.api.allocate_scratch = _scratch
+
+
+def _configs_module(path: str):
+    """A configs.py at ``path`` (e.g. ``git show REV:tsdecode/configs.py > /tmp/old.py``) as a
+    module of its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_rule_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 dev = torch.device("cuda")
 num_sms = device_num_sms(dev)
 copy = copy_bandwidth_gbs(dev)
@@ -94,7 +109,15 @@ for text in args.shapes.split(","):
         forms[c] = "1" if "t" in suffix else "0" if "s" in suffix else "auto"
         halves[c] = sets[0].out.dtype if "h" in suffix else None
         fields = name.split("/")
-        if fields[0] in ("heur", "rule", "rule-wide"):
+        if name.startswith("rule@"):  # another revision's rule: a configs.py copied aside
+            base = _configs_module(name[len("rule@"):])
+            base_shape = base.ProblemShape(**{k.name: getattr(shape, k.name)
+                                              for k in dataclasses.fields(base.ProblemShape)})
+            rule, _ = base.scale_splits_to_raggedness(
+                base.heuristic_config(base_shape, num_sms), base_shape, num_sms)
+            configs[c] = KernelConfig(**base.fit_config(rule, base_shape)[0].to_dict())
+            caps[c] = None
+        elif fields[0] in ("heur", "rule", "rule-wide"):
             wide_rows_lean = tsdecode.configs._wide_rows_lean
             if fields[0] == "rule-wide":  # the rule without its wide-rows lean tiles
                 tsdecode.configs._wide_rows_lean = lambda *a: False

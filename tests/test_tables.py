@@ -861,21 +861,30 @@ def test_tuned_winner_is_used_in_its_own_bucket_only(tmp_path):
 
 
 def test_heuristic_adds_splits_only_to_fill_a_mostly_empty_last_wave():
-    """16-bit cache, L < 8k, >= 4 B*Hkv programs per SM (waves of 5 programs per SM): 768
-    programs are 1.16 waves -> 2 splits (the mean request of a 4/3-spread batch has 35 tiles:
-    at most 2 splits of >= 12 tiles); 2048 programs (3.1 waves) -> 2 splits (6.2 waves); a last
-    wave >= 2/3 full, or L=1k (16 tiles), keeps 1 split."""
+    """16-bit cache, L < 8k, >= 4 B*Hkv programs per SM (waves of 5 programs per SM) outside the
+    batch-lean rule (K/V > 4096 tokens or > 8 programs per SM): 768 programs are 1.16 waves -> 2
+    splits (the mean request of an 8/3-spread batch of L=6000 has 35 tiles: at most 2 splits of
+    >= 12 tiles); 2048 programs (3.1 waves) -> 2 splits (6.2 waves); a last wave >= 2/3 full, or
+    L=1k (16 tiles), keeps 1 split."""
     from tsdecode.configs import heuristic_config
 
-    def splits(b, n, spread=1.0):
-        return heuristic_config(make_shape(batch_size=b, kv_len=n, kv_len_spread=spread), 132).num_kv_splits
+    def config(b, n, spread=1.0):
+        return heuristic_config(make_shape(batch_size=b, kv_len=n, kv_len_spread=spread), 132)
 
-    assert splits(96, 3000, 4 / 3) == 2
-    assert splits(256, 4096) == 2
-    assert splits(128, 4096) == 3  # 1.55 -> 3.1 (last wave 10% full) -> 4.65 waves
+    def splits(b, n, spread=1.0):
+        return config(b, n, spread).num_kv_splits
+
+    assert splits(96, 6000, 8 / 3) == 2  # 5.8 per SM, K/V > 4096: not the batch-lean rule
+    assert splits(96, 6144, 1.5) == 4  # 64 mean tiles (5 splits' room): 1.16 -> ... -> 4.65 waves
+    assert splits(256, 4096) == 2  # 15.5 per SM
+    assert splits(128, 6144) == 3  # 1.55 -> 3.1 (last wave 10% full) -> 4.65 waves
+    assert splits(136, 4096) == 3  # 8.2 per SM: 1.65 -> 3.3 -> 4.9 waves
     assert splits(150, 4096) == 1  # 1.82 waves: the last one is 82% full
-    assert splits(128, 1024) == 1
+    assert splits(256, 1024) == 1  # 3.1 waves, but 16 tiles: no room for 12-tile splits
     assert splits(200, 1500, 4 / 3) == 1  # 17 mean tiles: no room for 12-tile splits
+    for b, n in ((96, 6000), (128, 6144), (136, 4096), (150, 4096), (256, 1024)):
+        c = config(b, n)
+        assert (c.block_n, c.num_warps, c.num_stages) == (64, 4, 2)  # this rule's tiles
     assert splits(128, 8192) == 2  # L >= 8k: the long-K/V rule, unchanged
 
 
@@ -1037,8 +1046,9 @@ def test_heuristic_wide_rows_take_lean_tiles_where_a_split_walks_more_than_4():
 
 
 def test_heuristic_lean_programs_from_5_rows_take_5_stages_at_about_4_per_sm():
-    """16-bit cache, < 3 B*Hkv programs per SM, 5-16 query rows a KV head: the lean tiles with 5
-    stages and splits for ~4 programs per SM; 1-4 rows keep 3 stages at ~8 per SM."""
+    """16-bit cache, < 3 B*Hkv programs per SM, 5-16 query rows a KV head, D=128: the lean tiles
+    with 5 stages and splits for ~4 programs per SM; 1-4 rows keep 3 stages at ~8 per SM. D <= 64
+    has its own rule (``test_heuristic_lean_programs_at_d64_take_16_token_tiles_5_stages``)."""
     from tsdecode.configs import heuristic_config
 
     def config(b, n, **kw):
@@ -1052,4 +1062,167 @@ def test_heuristic_lean_programs_from_5_rows_take_5_stages_at_about_4_per_sm():
     c = config(8, 8192)  # G=4: 4 rows
     assert (c.num_stages, c.num_kv_splits) == (3, 16)
     assert config(8, 8192, num_qo_heads=32, num_kv_heads=32).num_stages == 3  # MHA
-    assert config(8, 8192, head_dim=64, num_qo_heads=64, num_kv_heads=8).block_n == 32
+    c = config(8, 8192, head_dim=96, num_qo_heads=64, num_kv_heads=8)  # block_d 128: this rule
+    assert (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits) == (16, 1, 5, 8)
+    c = config(4, 4096, head_dim=64, num_qo_heads=64, num_kv_heads=8)  # D=64: ~8 per SM, not ~4
+    assert (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits) == (16, 1, 5, 33)
+
+
+def test_heuristic_lean_programs_at_d64_take_16_token_tiles_5_stages():
+    """16-bit cache, < 3 B*Hkv programs per SM, <= 16 rows, head dims up to 64 (block_d <= 64):
+    16-token tiles, 1 warp, 5 stages and splits for ~8 programs per SM at every row count (not
+    32-token tiles with 3 stages, nor ~4 per SM from 5 rows); at most one split a tile, and no
+    more than fit an SM where fewer than 8 do. D=128 keeps its rules."""
+    from tsdecode.configs import heuristic_config
+
+    def config(b, n, sm=None, **kw):
+        return heuristic_config(make_shape(batch_size=b, kv_len=n, **kw), 132, *([sm] if sm else []))
+
+    def knobs(c):
+        return (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits)
+
+    d64 = dict(head_dim=64)
+    assert knobs(config(2, 4096, **d64)) == (16, 1, 5, 66)  # G=4, 16 programs: round(8 * 132 / 16)
+    assert knobs(config(4, 8192, num_qo_heads=64, **d64)) == (16, 1, 5, 33)  # G=8, 32 programs
+    assert knobs(config(3, 8192, num_qo_heads=128, **d64)) == (16, 1, 5, 44)  # G=16, 24 programs
+    assert knobs(config(4, 8192, num_qo_heads=32, num_kv_heads=32, **d64)) == (16, 1, 5, 8)  # MHA
+    assert knobs(config(2, 4096, head_dim=32)) == (16, 1, 5, 66)  # D=32: 16 tokens, not 64
+    assert knobs(config(1, 1024, **d64)) == (16, 1, 5, 64)  # 132 asked, 64 tiles of 16
+    assert config(2, 4096, **d64).block_m == 16
+    # 100 KiB a SM: 7 such programs fit (4 + 1 KiB fixed + two 2 KiB K and V buffers each),
+    # rounded down: 7 * 132 // 16.
+    assert knobs(config(2, 4096, sm=100 * 1024, **d64)) == (16, 1, 5, 57)
+    # D=128 (and D=96, block_d 128): 16-token tiles with 3 stages at ~8 per SM at 4 rows.
+    assert knobs(config(2, 4096)) == (16, 1, 3, 66)
+    assert knobs(config(2, 4096, head_dim=96)) == (16, 1, 3, 66)
+    # Not this rule: fp8 keeps 32-token tiles at D=64, 17+ rows their own tiles.
+    assert config(2, 4096, kv_dtype=torch.float8_e4m3fn, **d64).block_n == 32
+    assert config(2, 4096, num_qo_heads=256, **d64).block_m == 32
+
+
+def test_heuristic_batch_lean_takes_one_split_of_lean_tiles_from_3_to_8_programs_per_sm():
+    """16-bit cache, <= 16 rows (block_m 16), D <= 128, K/V of at most 4096 tokens, from 3 (the
+    lean rule's limit) to 8 B*Hkv programs per SM, no more than fit an SM: one split of 16-token
+    tiles, 1 warp, 5 stages. Past 8 per SM, K/V of 4097+ tokens, an fp8 cache, 17+ rows, D=256,
+    or more programs than fit an SM keep the previous rules; ragged scaling still applies. (The
+    8-per-SM and 4096-token bounds are checked at D=128; at D=64 only the fit bound is.)"""
+    from tsdecode.configs import config_from_table_hit, heuristic_config, resident_programs_per_sm
+
+    def config(b, n, sm=None, **kw):
+        return heuristic_config(make_shape(batch_size=b, kv_len=n, **kw), 132, *([sm] if sm else []))
+
+    def knobs(c):
+        return (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits)
+
+    batch_lean = (16, 1, 5, 1)
+    c = config(128, 1024)  # 1024 programs, 7.8 per SM
+    assert knobs(c) == batch_lean and c.block_m == 16
+    assert knobs(config(128, 1024, head_dim=64)) == batch_lean
+    assert knobs(config(132, 4096)) == batch_lean  # 1056 = 8 per SM, K/V 4096: both bounds held
+    assert knobs(config(99, 2048, num_qo_heads=16, num_kv_heads=4)) == batch_lean  # 396: 3 per SM
+    # 392 programs (< 3 per SM): the lean rule, round(8 * 132 / 392) splits at 3 stages.
+    assert knobs(config(98, 2048, num_qo_heads=16, num_kv_heads=4)) == (16, 1, 3, 3)
+    # More than 8 per SM: the multi-wave rule's 64-token tiles at 4 warps (16 tiles: 1 split).
+    assert knobs(config(133, 1024)) == (64, 4, 2, 1)  # 1064 programs
+    assert knobs(config(160, 1024)) == (64, 4, 2, 1)  # 1280 programs
+    # K/V of 4097+ tokens: the multi-wave rule (1.55 -> 3.1 -> 4.65 waves), and from 8k the
+    # long-K/V rule.
+    assert knobs(config(128, 4097)) == (64, 4, 2, 3)
+    assert knobs(config(128, 8192)) == (32, 4, 2, 2)
+    # fp8 caches keep their rules: ~46 per SM capped at L / 1024 from 4 per SM, ~8 per SM below.
+    assert knobs(config(128, 4096, kv_dtype=torch.float8_e4m3fn)) == (16, 1, 5, 4)
+    assert knobs(config(60, 4096, kv_dtype=torch.float8_e4m3fn)) == (16, 1, 5, 2)  # 480 programs
+    # 17-32 rows (block_m 32) where a split walks <= 4 tiles, and 64 rows: the previous tiles;
+    # 16 rows at the same shape take this rule.
+    c = config(128, 64, num_qo_heads=256)  # G=32
+    assert (c.block_m, *knobs(c)) == (32, 64, 4, 2, 1)
+    assert knobs(config(128, 64, num_qo_heads=128)) == batch_lean  # G=16
+    c = config(128, 1024, num_qo_heads=64, max_seq_len_q=8, mask_kind="causal")  # 64 rows
+    assert (c.block_m, c.num_warps) == (64, 4)
+    assert knobs(config(99, 1024, head_dim=256)) == (32, 4, 2, 2)  # 792 programs: 6 per SM would fit
+    # 100 KiB a SM: 4 such programs fit at D=128 and 7 at D=64 (not 8): the rule stops there.
+    small = 100 * 1024
+    lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=5)
+    assert resident_programs_per_sm(lean, make_shape(batch_size=1, kv_len=1024), small) == 4
+    assert resident_programs_per_sm(lean, make_shape(batch_size=1, kv_len=1024, head_dim=64), small) == 7
+    assert knobs(config(66, 1024, sm=small)) == batch_lean  # 528 programs: 4 per SM
+    assert knobs(config(99, 1024, sm=small)) == (64, 4, 2, 1)  # 792 programs: 6 per SM
+    assert knobs(config(99, 1024)) == batch_lean
+    assert knobs(config(115, 1024, sm=small, head_dim=64)) == batch_lean  # 920 <= 7 * 132
+    assert knobs(config(120, 1024, sm=small, head_dim=64)) == (64, 4, 2, 1)  # 960: 7.3 per SM
+    assert knobs(config(120, 1024, head_dim=64)) == batch_lean
+    # Ragged lengths: the one split grows by the spread while the programs stay within one wave
+    # of 10 per SM (768 * 1.5 <= 1320).
+    ragged = make_shape(batch_size=96, kv_len=4096, kv_len_spread=1.5)
+    assert knobs(heuristic_config(ragged, 132)) == batch_lean
+    assert knobs(config_from_table_hit(ragged, None, 132).kernel_config) == (16, 1, 5, 2)
+
+
+def test_heuristic_batch_lean_at_d64_goes_past_8_per_sm_and_past_4k_tokens():
+    """D <= 64: the batch-lean tiles up to as many B*Hkv programs as fit an SM at once (17 by the
+    model on an H200: shared memory), at any K/V length: one split up to 4096 tokens, past it
+    ceil(8 * SMs / programs) splits. D=128 keeps the 8-per-SM and 4096-token bounds."""
+    from tsdecode.configs import heuristic_config
+
+    def knobs(b, n, **kw):
+        c = heuristic_config(make_shape(batch_size=b, kv_len=n, **kw), 132)
+        return (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits)
+
+    d64 = dict(head_dim=64)
+    assert knobs(256, 1024, **d64) == (16, 1, 5, 1)  # 2048 programs, 15.5 per SM
+    assert knobs(280, 2048, **d64) == (16, 1, 5, 1)  # 2240 <= 17 * 132
+    assert knobs(281, 2048, **d64)[:2] == (64, 4)  # 2248: past what fits
+    assert knobs(256, 1024)[:2] == (64, 4)  # D=128: past 8 per SM
+    assert knobs(64, 8192, **d64) == (16, 1, 5, 3)  # 512 programs: ceil(1056 / 512)
+    assert knobs(112, 12288, **d64) == (16, 1, 5, 2)  # 896: ceil(1056 / 896)
+    assert knobs(132, 32768, **d64) == (16, 1, 5, 1)  # 1056: exactly 8 per SM
+    assert knobs(200, 6144, num_qo_heads=14, num_kv_heads=2, **d64) == (16, 1, 5, 3)  # 400
+    assert knobs(64, 8192)[1] == 4  # D=128 past 4k: the previous rules (4 warps)
+    # An fp8 cache at D=64 keeps its own rule.
+    assert knobs(64, 8192, kv_dtype=torch.float8_e4m3fn, **d64)[3] != 3
+
+
+def test_residency_model_at_d64_takes_its_own_register_table():
+    """The lean tiles at D <= 64 take RESIDENT_PROGRAMS_BY_TILE_D64 (measured), other tiles the
+    D=128 table; shared memory still bounds both."""
+    from tsdecode.configs import (
+        RESIDENT_PROGRAMS_BY_TILE, RESIDENT_PROGRAMS_BY_TILE_D64, resident_programs_per_sm,
+    )
+
+    def resident(block_n, warps, stages, head_dim, smem=None):
+        c = KernelConfig(block_n=block_n, block_m=16, num_warps=warps, num_stages=stages)
+        shape = make_shape(batch_size=1, kv_len=1024, head_dim=head_dim)
+        return resident_programs_per_sm(c, shape, *([smem] if smem else []))
+
+    assert resident(16, 1, 3, 64) == RESIDENT_PROGRAMS_BY_TILE_D64[(16, 1)] == 19
+    assert resident(16, 1, 3, 128) == RESIDENT_PROGRAMS_BY_TILE[(16, 1)] == 12
+    assert resident(16, 1, 5, 64) == 233472 // (4096 + 1024 + 2 * 2 * 16 * 64 * 2)  # 17
+    assert resident(16, 1, 5, 32) == 19  # D=32 is bounded by the D=64 registers
+    assert resident(64, 4, 2, 64) == RESIDENT_PROGRAMS_BY_TILE[(64, 4)]  # not measured at D=64
+    assert resident(16, 1, 3, 64, 100 * 1024) == 100 * 1024 // (4096 + 1024 + 2 * 16 * 64 * 2)
+
+
+def test_ragged_step_to_four_waves_keeps_768_tokens_a_split_whatever_the_tile():
+    """The ragged scaling's step to FULL_WAVES keeps >= 768 tokens of the mean request a split (12
+    tiles of the 64-token tiles it was calibrated on), so 16-token tiles are not cut to ~190."""
+    from tsdecode.configs import scale_splits_to_raggedness
+
+    lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=5)
+    # B=240 L=2k D=64, spread 1.37: 1920 programs x 1.37 pass one wave of 17 * 132; 4 waves would
+    # take 5 splits of ~300 mean tokens: no change.
+    shape = make_shape(batch_size=240, kv_len=2048, head_dim=64, kv_len_spread=1.37)
+    assert scale_splits_to_raggedness(lean, shape, 132) == (lean, ())
+    # The same at L=16k: 5 splits of ~2400 mean tokens.
+    shape = make_shape(batch_size=240, kv_len=16384, head_dim=64, kv_len_spread=1.37)
+    scaled, notes = scale_splits_to_raggedness(lean, shape, 132)
+    assert scaled.num_kv_splits == 5 and "waves" in notes[0]
+    # 64-token tiles at 4 warps as before: B=64 L=16k, spread 1.32 -> 6 splits (4.7 waves of 660).
+    wide = KernelConfig(block_n=64, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
+    shape = make_shape(batch_size=64, kv_len=16384, kv_len_spread=1.32)
+    assert scale_splits_to_raggedness(wide, shape, 132)[0].num_kv_splits == 6
+    # ... and 12 tiles of 64 tokens at the floor: 768 mean tokens a split at 6 splits scales,
+    # 767 does not.
+    assert scale_splits_to_raggedness(wide, make_shape(batch_size=64, kv_len=6082,
+                                                       kv_len_spread=6082 / 4608), 132)[0].num_kv_splits == 6
+    assert scale_splits_to_raggedness(wide, make_shape(batch_size=64, kv_len=6082,
+                                                       kv_len_spread=6082 / 4601), 132)[0].num_kv_splits == 1

@@ -27,7 +27,7 @@ NUM_STAGES_CHOICES = (1, 2, 3, 4, 5)
 MAX_NUM_KV_SPLITS = 1024
 # block_m below this uses FMA reductions instead of tl.dot (tl.dot needs M >= 16).
 DOT_MIN_BLOCK_M = 16
-# heuristic_config's lean family (4 KiB K/V tiles, 1 warp) below this many B*Hkv programs per SM,
+# heuristic_config's lean family (16-token K/V tiles, 1 warp) below this many B*Hkv programs per SM,
 # with splits for about LEAN_PROGRAMS_PER_SM programs per SM (H200 sweeps, docs/perf-notes.md).
 LEAN_MAX_PROGRAMS_PER_SM = 3
 LEAN_PROGRAMS_PER_SM = 8
@@ -35,6 +35,17 @@ LEAN_PROGRAMS_PER_SM = 8
 # with splits for about LEAN_DEEP_PROGRAMS_PER_SM programs per SM.
 LEAN_DEEP_MIN_ROWS = 5
 LEAN_DEEP_PROGRAMS_PER_SM = 4
+# ... and at head dims up to LEAN_SMALL_HEAD_DIM, 16-token (2 KiB) tiles with 5 stages at about
+# LEAN_PROGRAMS_PER_SM programs per SM for every row count (the same ~64 KiB of K/V buffers per SM
+# as the two rules above at D = 128: one buffer below 5 stages, two from 5).
+LEAN_SMALL_HEAD_DIM = 64
+# From LEAN_MAX_PROGRAMS_PER_SM up to BATCH_LEAN_MAX_PROGRAMS_PER_SM B*Hkv programs per SM (and no
+# more than fit an SM at once) with K/V of at most BATCH_LEAN_MAX_KV_LEN tokens (16-bit cache, up
+# to 16 rows, D <= 128): one split of 16-token tiles, 1 warp, 5 stages. At head dims up to
+# LEAN_SMALL_HEAD_DIM, up to what fits an SM at once and at any K/V length, with splits for
+# at least LEAN_PROGRAMS_PER_SM programs per SM past BATCH_LEAN_MAX_KV_LEN tokens.
+BATCH_LEAN_MAX_PROGRAMS_PER_SM = 8
+BATCH_LEAN_MAX_KV_LEN = 4096
 # 17-32 query rows a KV head (block_m = 32), 16-bit cache: 1-warp programs of 16-token tiles with
 # 5 stages where each split walks more than the 4 tiles such a pipeline holds in flight.
 WIDE_ROWS_BLOCK_M = 32
@@ -55,6 +66,10 @@ RESIDENT_PROGRAMS_BY_TILE = {
     (128, 1): 3, (128, 2): 3, (128, 4): 2, (128, 8): 2,
     (256, 1): 1, (256, 2): 1, (256, 4): 1, (256, 8): 1,
 }
+# ... and at D <= 64 for the lean tiles measured there (3-5 stages, the fewer of a 16-bit and an
+# fp8 cache: reports/nvidia-h200/2026-11-30/occupancy_lean.txt); other tiles at D <= 64 take the
+# D = 128 table above (more registers than they need: a lower bound).
+RESIDENT_PROGRAMS_BY_TILE_D64 = {(16, 1): 19, (16, 2): 16, (32, 1): 14, (32, 2): 8}
 # Shared memory a program may use per SM (H100/H200: 227 KiB + 1 KiB reserved per program; the
 # default of every function taking shared_memory_per_sm, and the value for CPU runs; a GPU's own
 # comes from ``device_shared_memory_per_sm``), and what a program holds besides its K/V buffers
@@ -69,6 +84,11 @@ SHARED_MEMORY_FIXED_PER_PROGRAM = 4096
 FULL_WAVES = 4
 MIN_LAST_WAVE_FILL = 2 / 3
 MULTIWAVE_MIN_TILES_PER_SPLIT = 12
+# ``scale_splits_to_raggedness``'s step to FULL_WAVES keeps at least this many tokens of the mean
+# request per split: 12 tiles of the 64-token tiles it was calibrated on, whatever the tile (H200:
+# lean 16-token tiles stepped to 4 waves at 300-600 tokens a split ran 2-8% slower than one split,
+# at 770 tokens 0.99x of 4 splits; docs/perf-notes.md, "Seventeenth lease").
+RAGGED_MULTIWAVE_MIN_TOKENS_PER_SPLIT = 768
 # The FMA path materialises a [block_m, block_n, block_d] product; cap it so it stays in registers.
 FMA_MAX_TILE_ELEMENTS = 32768
 
@@ -245,8 +265,12 @@ def heuristic_config(
     Calibrated on H200 sweeps (docs/perf-notes.md). Rows: all G*SQ query rows of a KV head in
     one program (K/V read once), padded to at least 16 for tl.dot: the FMA path is far slower even
     for a single row. Few B*Hkv programs (< 3 per SM) with 16 rows or fewer, D <= 128 and a
-    16-bit cache: lean programs (4 KiB K/V tiles: 16 tokens at D = 128, 32 at D = 64; 1 warp;
-    3 stages) and splits for about 8 of them per SM; from 5 rows, 5 stages and about 4 per SM.
+    16-bit cache: lean programs (16-token tiles, 4 KiB at D = 128; 1 warp; 3 stages) and splits
+    for about 8 of them per SM; from 5 rows, 5 stages and about 4 per SM; at D <= 64, 5 stages
+    and about 8 per SM at any row count. From 3 up to 8
+    B*Hkv programs per SM with K/V of at most 4k tokens (same cache, rows and D): one split of
+    16-token tiles, 1 warp, 5 stages; at D <= 64 up to what fits an SM and at any K/V length
+    (``_batch_lean_splits``).
     Otherwise splits fill about 4 programs per SM when B*Hkv programs cannot, down to one
     64-token tile per split; at large batch with long K/V, a few splits of narrower tiles
     (block_n=32) still help (shorter dependent chains, better tail balance); at large batch
@@ -289,17 +313,26 @@ def heuristic_config(
         # (B=1 L=8k 14.3 vs 15.9 us for 64-token tiles at 4 warps, B=8 L=8k 71.6 vs 72.2 us,
         # B=32 L=1k 39.2 vs 41.0 us; reports/nvidia-h200/2026-11-29/merge_fused_ab.txt, separate
         # merge column).
-        # 16 tokens at D = 128: 4 KiB K/V tiles; smaller head dims keep that tile size.
+        # 16 tokens at D = 128: 4 KiB K/V tiles (D = 65-127 pad to 128; D <= 64: below).
         # 5-16 rows: 5 stages and half the programs (H200, same run, 14 shapes off the tuning
         # grid: 0.87-1.00x the time of 3 stages at ~8 per SM where G >= 7, equal at G=4;
         # reports/nvidia-h200/2026-11-30/ab_lean_stages_splits.txt, docs/perf-notes.md,
         # "Fourteenth lease").
-        deep = shape.rows_per_kv_head >= LEAN_DEEP_MIN_ROWS
-        block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 5 if deep else 3
+        # D <= 64: 16-token (2 KiB) tiles, 5 stages, ~8 per SM at every row count (H200, same
+        # runs, 14 shapes off the tuning grid: 0.89-0.95x the time of the previous rule's 32-token
+        # tiles at 2-4 rows, 0.98-1.00x at 7-8 rows; reports/nvidia-h200/2026-11-30/
+        # ab_d64_lean.txt, ab_rule_validation.txt; docs/perf-notes.md, "Seventeenth lease").
+        small_head = shape.block_d <= LEAN_SMALL_HEAD_DIM
+        deep = shape.rows_per_kv_head >= LEAN_DEEP_MIN_ROWS and not small_head
+        block_n = 16 if small_head else max(16, 2048 // shape.block_d)
+        num_warps, num_stages = 1, 5 if deep or small_head else 3
         num_kv_splits = _lean_splits(
             shape, block_n, num_stages, base_programs, num_sms, shared_memory_per_sm,
             LEAN_DEEP_PROGRAMS_PER_SM if deep else LEAN_PROGRAMS_PER_SM,
         )
+    elif (lean_splits := _batch_lean_splits(shape, base_programs, block_m, num_sms,
+                                            shared_memory_per_sm)):
+        block_n, num_warps, num_stages, num_kv_splits = 16, 1, 5, lean_splits
     elif base_programs < target_programs:
         num_kv_splits = max(1, target_programs // base_programs)
         num_kv_splits = min(num_kv_splits, max(1, shape.max_kv_len // 64))
@@ -352,6 +385,44 @@ def _wide_rows_lean(shape: ProblemShape, num_kv_splits: int) -> bool:
     return tokens_per_split > (WIDE_ROWS_MIN_TILES_PER_SPLIT - 1) * block_n
 
 
+def _batch_lean_splits(shape: ProblemShape, base_programs: int, block_m: int, num_sms: int,
+                       shared_memory_per_sm: int) -> int | None:
+    """The split count when B*Hkv programs of at least LEAN_MAX_PROGRAMS_PER_SM per SM take lean
+    tiles (16 tokens, 1 warp, 5 stages: two K/V tiles in flight) instead of 64-token tiles at 4
+    warps; None where they do not. 16-bit cache, up to 16 rows, D <= 128, all programs resident
+    at once, and: at D > 64, K/V of at most BATCH_LEAN_MAX_KV_LEN tokens and at most
+    BATCH_LEAN_MAX_PROGRAMS_PER_SM programs per SM, one split; at D <= 64, as many programs as
+    fit an SM (17 on an H200 by the model; 20 measured), one split up to
+    BATCH_LEAN_MAX_KV_LEN tokens and splits for at least LEAN_PROGRAMS_PER_SM programs per SM past
+    it.
+
+    H200, same runs, shapes off the tuning grid (reports/nvidia-h200/2026-11-30/
+    ab_large_lean.txt, ab_rule_validation.txt, ab_wave_lean.txt, ab_d64_batch.txt;
+    docs/perf-notes.md, "Seventeenth lease"). D = 128: at 3.9-7.8 programs per SM 0.87-1.00x the
+    time of the previous rule (64-token tiles, 4 warps) at all 9; at 8.7-13.6 per SM 1.01-1.18x
+    at 9 of 10, though 10 such programs fit an SM; at 15.5 per SM 0.93-0.97x again at 4 of 4 (not
+    taken: nothing here models the band between). D = 64: 0.90-0.98x at 7.8-19.4 programs
+    per SM and K/V up to 4k (one split) at 9 of 9; past 4k, 0.77-0.90x with 2-4 splits at 3.0-5.8
+    per SM and 0.83x with one or two at 6.8.
+    """
+    if (shape.kv_dtype not in (torch.float16, torch.bfloat16) or shape.head_dim > 128
+            or block_m != DOT_MIN_BLOCK_M):
+        return None
+    lean = KernelConfig(block_n=16, block_m=DOT_MIN_BLOCK_M, num_warps=1, num_stages=5)
+    if shape.block_d <= LEAN_SMALL_HEAD_DIM:
+        per_sm = resident_programs_per_sm(lean, shape, shared_memory_per_sm)
+        if base_programs > per_sm * max(1, num_sms):
+            return None
+        if shape.max_kv_len <= BATCH_LEAN_MAX_KV_LEN:
+            return 1
+        return max(1, -(-LEAN_PROGRAMS_PER_SM * max(1, num_sms) // base_programs))
+    if shape.max_kv_len > BATCH_LEAN_MAX_KV_LEN:
+        return None
+    per_sm = min(BATCH_LEAN_MAX_PROGRAMS_PER_SM,
+                 resident_programs_per_sm(lean, shape, shared_memory_per_sm))
+    return 1 if base_programs <= per_sm * max(1, num_sms) else None
+
+
 def _lean_splits(shape: ProblemShape, block_n: int, num_stages: int, base_programs: int,
                  num_sms: int, shared_memory_per_sm: int,
                  programs_per_sm: int = LEAN_PROGRAMS_PER_SM) -> int:
@@ -369,17 +440,28 @@ def resident_programs_per_sm(
 ) -> int:
     """Split-kernel programs of ``config`` that fit one SM at once (a model, not a query).
 
-    Registers: RESIDENT_PROGRAMS_BY_TILE (measured at D = 128, 2 stages; 64K registers a SM).
-    Shared memory (shared_memory_per_sm bytes a SM): the fixed part plus the K/V buffers, one K
-    and one V tile each, one buffer below 5 stages and two from 5 (triton 3.6 through the page
-    table: docs/perf-notes.md, "Sixth lease").
+    Registers: RESIDENT_PROGRAMS_BY_TILE (measured at D = 128, 2 stages; 64K registers a SM),
+    RESIDENT_PROGRAMS_BY_TILE_D64 for the tiles it holds at D <= 64. Shared memory
+    (``shared_memory_programs_per_sm``): the fixed part plus the K/V buffers, one K and one V tile
+    each, one buffer below 5 stages and two from 5 (triton 3.6 through the page table:
+    docs/perf-notes.md, "Sixth lease").
     """
-    by_registers = RESIDENT_PROGRAMS_BY_TILE.get((config.block_n, config.num_warps), 1)
-    kv_bytes = shape.kv_dtype.itemsize
+    tile = (config.block_n, config.num_warps)
+    by_registers = RESIDENT_PROGRAMS_BY_TILE.get(tile, 1)
+    if shape.block_d <= LEAN_SMALL_HEAD_DIM:
+        by_registers = RESIDENT_PROGRAMS_BY_TILE_D64.get(tile, by_registers)
+    return max(1, min(by_registers, shared_memory_programs_per_sm(config, shape, shared_memory_per_sm)))
+
+
+def shared_memory_programs_per_sm(
+    config: KernelConfig, shape: ProblemShape, shared_memory_per_sm: int = SHARED_MEMORY_PER_SM
+) -> int:
+    """Split-kernel programs of ``config`` whose shared memory fits one SM (the fixed part plus
+    one K and one V tile per buffer: one buffer below 5 stages, two from 5)."""
     buffers = 2 if config.num_stages >= 5 else 1
     shared = (SHARED_MEMORY_FIXED_PER_PROGRAM + SHARED_MEMORY_RESERVED_PER_PROGRAM
-              + buffers * 2 * config.block_n * shape.block_d * kv_bytes)
-    return max(1, min(by_registers, shared_memory_per_sm // shared))
+              + buffers * 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize)
+    return max(1, shared_memory_per_sm // shared)
 
 
 def splits_for_full_waves(shape: ProblemShape, config: KernelConfig, base_programs: int, num_sms: int,
@@ -439,10 +521,10 @@ def scale_splits_to_raggedness(
     H200 held-out ragged shapes (lengths uniform in [L/2, L]) ran best with ~1.3x the
     equal-length split count (docs/perf-notes.md). Programs that would pass one wave but make
     fewer than FULL_WAVES waves step to FULL_WAVES waves, where finishing programs make room for
-    the rest, if each split keeps MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request (H200,
-    B=64 L=16k ragged, 64-token tiles at 4 warps, one run: 792.6 us at 1 split (0.78 waves), 761.4
-    at 4 (3.1), 751.6 at 6 (4.7); 2 splits (1.55 waves) were slower than 1 in another run); else,
-    and from FULL_WAVES waves on, no change.
+    the rest, if each split keeps RAGGED_MULTIWAVE_MIN_TOKENS_PER_SPLIT tokens of the mean
+    request (12 tiles of 64 tokens; H200, B=64 L=16k ragged, 64-token tiles at 4 warps, one run:
+    792.6 us at 1 split (0.78 waves), 761.4 at 4 (3.1), 751.6 at 6 (4.7); 2 splits (1.55 waves)
+    were slower than 1 in another run); else, and from FULL_WAVES waves on, no change.
     """
     factor = min(shape.kv_len_spread, MAX_RAGGED_SPLIT_FACTOR)
     if factor < 1.1:
@@ -458,9 +540,9 @@ def scale_splits_to_raggedness(
                      max(config.num_kv_splits, tiles // RAGGED_MIN_TILES_PER_SPLIT))
         why = "in one wave of programs"
     elif programs < FULL_WAVES * wave:
-        mean_tiles = shape.max_kv_len / shape.kv_len_spread / config.block_n
+        mean_tokens = shape.max_kv_len / shape.kv_len_spread
         splits = min(MAX_NUM_KV_SPLITS, -(-FULL_WAVES * wave // base))
-        if mean_tiles / splits < MULTIWAVE_MIN_TILES_PER_SPLIT:
+        if mean_tokens / splits < RAGGED_MULTIWAVE_MIN_TOKENS_PER_SPLIT:
             return config, ()
         why = f"in {base * splits / wave:.1f} waves of {wave} programs instead of {programs / wave:.2f}"
     else:
