@@ -7,7 +7,8 @@
 # tuned_configs merges into the shipped table there, so later steps of the same call use it);
 # BENCH_ONLY limits the targets step to shapes whose name contains one of its comma-separated
 # texts (the heldout step too); SWEEP_ONLY picks the target shapes the sweepsel step sweeps;
-# NCU_SHAPES the kv_dtype:B:L shapes the ncu step profiles (Nsight Compute, split pass only).
+# NCU_SHAPES the kv_dtype:B:L shapes the ncu step profiles (Nsight Compute, split pass only),
+# NCU_CONFIG an explicit config for them (block_n/splits/warps/stages, e.g. 16/1/1/5).
 # Logs and CSVs go to $OUT (the device tool's output folder) or ./gpu_out.
 set -u
 cd "$(dirname "$0")/.."
@@ -36,7 +37,7 @@ for step in $steps; do
                ncu --clock-control none -k regex:_split_kv_kernel --launch-skip 1 --launch-count 1 \
                  --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                  --section WarpStateStats --section SchedulerStats --section InstructionStats --section Occupancy \
-                 python3 scripts/ncu_probe.py --kv-dtype "${a%%:*}" "${a#*:}" 2>&1 | tee -a "$OUT/ncu.log" | grep -v "^==PROF==" | tail -150
+                 python3 scripts/ncu_probe.py --kv-dtype "${a%%:*}" ${NCU_CONFIG:+--config "$NCU_CONFIG"} "${a#*:}" 2>&1 | tee -a "$OUT/ncu.log" | grep -v "^==PROF==" | tail -150
              done ;;
     occupancy) python3 scripts/occupancy.py 2>&1 | tee "$OUT/occupancy.log" ;;
     host)    python3 scripts/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" ;;

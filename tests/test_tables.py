@@ -1160,8 +1160,9 @@ def test_heuristic_batch_lean_takes_one_split_of_lean_tiles_from_3_to_8_programs
 
 def test_heuristic_batch_lean_at_d64_goes_past_8_per_sm_and_past_4k_tokens():
     """D <= 64: the batch-lean tiles up to as many B*Hkv programs as fit an SM at once (17 by the
-    model on an H200: shared memory), at any K/V length: one split up to 4096 tokens, past it
-    ceil(8 * SMs / programs) splits. D=128 keeps the 8-per-SM and 4096-token bounds."""
+    model on an H200: shared memory) with one split up to 4096 tokens; past it up to 8 per SM,
+    with ceil(8 * SMs / programs) splits capped at what fits an SM. D=128 keeps the 8-per-SM and
+    4096-token bounds."""
     from tsdecode.configs import heuristic_config
 
     def knobs(b, n, **kw):
@@ -1178,6 +1179,16 @@ def test_heuristic_batch_lean_at_d64_goes_past_8_per_sm_and_past_4k_tokens():
     assert knobs(132, 32768, **d64) == (16, 1, 5, 1)  # 1056: exactly 8 per SM
     assert knobs(200, 6144, num_qo_heads=14, num_kv_heads=2, **d64) == (16, 1, 5, 3)  # 400
     assert knobs(64, 8192)[1] == 4  # D=128 past 4k: the previous rules (4 warps)
+    # Past 4k: at most 8 per SM (nothing measured beyond), then the previous rules.
+    assert knobs(133, 8192, **d64)[:2] == (32, 4)  # 1064 programs
+    assert knobs(200, 32768, **d64)[:2] == (32, 4)
+    # ... and the splits never take the programs past what fits an SM at once: 100 KiB a SM
+    # fits 7 (924 on 132 SMs), 400 base programs take 2 splits, not ceil(1056 / 400) = 3.
+    small = 100 * 1024
+    c = heuristic_config(make_shape(batch_size=50, kv_len=4097, **d64), 132, small)
+    assert (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits) == (16, 1, 5, 2)
+    c = heuristic_config(make_shape(batch_size=100, kv_len=4097, **d64), 132, 167936)  # 12 fit
+    assert (c.block_n, c.num_kv_splits) == (16, 1)  # 800 programs: 1600 would not fit 1584
     # An fp8 cache at D=64 keeps its own rule.
     assert knobs(64, 8192, kv_dtype=torch.float8_e4m3fn, **d64)[3] != 3
 
@@ -1200,29 +1211,3 @@ def test_residency_model_at_d64_takes_its_own_register_table():
     assert resident(16, 1, 5, 32) == 19  # D=32 is bounded by the D=64 registers
     assert resident(64, 4, 2, 64) == RESIDENT_PROGRAMS_BY_TILE[(64, 4)]  # not measured at D=64
     assert resident(16, 1, 3, 64, 100 * 1024) == 100 * 1024 // (4096 + 1024 + 2 * 16 * 64 * 2)
-
-
-def test_ragged_step_to_four_waves_keeps_768_tokens_a_split_whatever_the_tile():
-    """The ragged scaling's step to FULL_WAVES keeps >= 768 tokens of the mean request a split (12
-    tiles of the 64-token tiles it was calibrated on), so 16-token tiles are not cut to ~190."""
-    from tsdecode.configs import scale_splits_to_raggedness
-
-    lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=5)
-    # B=240 L=2k D=64, spread 1.37: 1920 programs x 1.37 pass one wave of 17 * 132; 4 waves would
-    # take 5 splits of ~300 mean tokens: no change.
-    shape = make_shape(batch_size=240, kv_len=2048, head_dim=64, kv_len_spread=1.37)
-    assert scale_splits_to_raggedness(lean, shape, 132) == (lean, ())
-    # The same at L=16k: 5 splits of ~2400 mean tokens.
-    shape = make_shape(batch_size=240, kv_len=16384, head_dim=64, kv_len_spread=1.37)
-    scaled, notes = scale_splits_to_raggedness(lean, shape, 132)
-    assert scaled.num_kv_splits == 5 and "waves" in notes[0]
-    # 64-token tiles at 4 warps as before: B=64 L=16k, spread 1.32 -> 6 splits (4.7 waves of 660).
-    wide = KernelConfig(block_n=64, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
-    shape = make_shape(batch_size=64, kv_len=16384, kv_len_spread=1.32)
-    assert scale_splits_to_raggedness(wide, shape, 132)[0].num_kv_splits == 6
-    # ... and 12 tiles of 64 tokens at the floor: 768 mean tokens a split at 6 splits scales,
-    # 767 does not.
-    assert scale_splits_to_raggedness(wide, make_shape(batch_size=64, kv_len=6082,
-                                                       kv_len_spread=6082 / 4608), 132)[0].num_kv_splits == 6
-    assert scale_splits_to_raggedness(wide, make_shape(batch_size=64, kv_len=6082,
-                                                       kv_len_spread=6082 / 4601), 132)[0].num_kv_splits == 1

@@ -35,15 +35,16 @@ LEAN_PROGRAMS_PER_SM = 8
 # with splits for about LEAN_DEEP_PROGRAMS_PER_SM programs per SM.
 LEAN_DEEP_MIN_ROWS = 5
 LEAN_DEEP_PROGRAMS_PER_SM = 4
-# ... and at head dims up to LEAN_SMALL_HEAD_DIM, 16-token (2 KiB) tiles with 5 stages at about
-# LEAN_PROGRAMS_PER_SM programs per SM for every row count (the same ~64 KiB of K/V buffers per SM
-# as the two rules above at D = 128: one buffer below 5 stages, two from 5).
+# ... and at head dims up to LEAN_SMALL_HEAD_DIM, 16-token tiles (2 KiB at D = 64) with 5 stages at
+# about LEAN_PROGRAMS_PER_SM programs per SM for every row count (at D = 64 the same ~64 KiB of K/V
+# buffers per SM as the two rules above at D = 128: one buffer below 5 stages, two from 5).
 LEAN_SMALL_HEAD_DIM = 64
 # From LEAN_MAX_PROGRAMS_PER_SM up to BATCH_LEAN_MAX_PROGRAMS_PER_SM B*Hkv programs per SM (and no
 # more than fit an SM at once) with K/V of at most BATCH_LEAN_MAX_KV_LEN tokens (16-bit cache, up
 # to 16 rows, D <= 128): one split of 16-token tiles, 1 warp, 5 stages. At head dims up to
-# LEAN_SMALL_HEAD_DIM, up to what fits an SM at once and at any K/V length, with splits for
-# at least LEAN_PROGRAMS_PER_SM programs per SM past BATCH_LEAN_MAX_KV_LEN tokens.
+# LEAN_SMALL_HEAD_DIM, up to what fits an SM at once with K/V up to BATCH_LEAN_MAX_KV_LEN tokens,
+# and past that, up to BATCH_LEAN_MAX_PROGRAMS_PER_SM with splits for at least
+# LEAN_PROGRAMS_PER_SM programs per SM (no more than fit an SM).
 BATCH_LEAN_MAX_PROGRAMS_PER_SM = 8
 BATCH_LEAN_MAX_KV_LEN = 4096
 # 17-32 query rows a KV head (block_m = 32), 16-bit cache: 1-warp programs of 16-token tiles with
@@ -66,9 +67,10 @@ RESIDENT_PROGRAMS_BY_TILE = {
     (128, 1): 3, (128, 2): 3, (128, 4): 2, (128, 8): 2,
     (256, 1): 1, (256, 2): 1, (256, 4): 1, (256, 8): 1,
 }
-# ... and at D <= 64 for the lean tiles measured there (3-5 stages, the fewer of a 16-bit and an
-# fp8 cache: reports/nvidia-h200/2026-11-30/occupancy_lean.txt); other tiles at D <= 64 take the
-# D = 128 table above (more registers than they need: a lower bound).
+# ... and at D <= 64 for the lean tiles measured there (D = 64, 3-5 stages, the fewer of a 16-bit
+# and an fp8 cache: reports/nvidia-h200/2026-11-30/occupancy_lean.txt; used at every stage count
+# and at D < 64 too, which take no more registers); other tiles at D <= 64 take the D = 128 table
+# above (more registers than they need: a lower bound).
 RESIDENT_PROGRAMS_BY_TILE_D64 = {(16, 1): 19, (16, 2): 16, (32, 1): 14, (32, 2): 8}
 # Shared memory a program may use per SM (H100/H200: 227 KiB + 1 KiB reserved per program; the
 # default of every function taking shared_memory_per_sm, and the value for CPU runs; a GPU's own
@@ -84,11 +86,6 @@ SHARED_MEMORY_FIXED_PER_PROGRAM = 4096
 FULL_WAVES = 4
 MIN_LAST_WAVE_FILL = 2 / 3
 MULTIWAVE_MIN_TILES_PER_SPLIT = 12
-# ``scale_splits_to_raggedness``'s step to FULL_WAVES keeps at least this many tokens of the mean
-# request per split: 12 tiles of the 64-token tiles it was calibrated on, whatever the tile (H200:
-# lean 16-token tiles stepped to 4 waves at 300-600 tokens a split ran 2-8% slower than one split,
-# at 770 tokens 0.99x of 4 splits; docs/perf-notes.md, "Seventeenth lease").
-RAGGED_MULTIWAVE_MIN_TOKENS_PER_SPLIT = 768
 # The FMA path materialises a [block_m, block_n, block_d] product; cap it so it stays in registers.
 FMA_MAX_TILE_ELEMENTS = 32768
 
@@ -269,8 +266,8 @@ def heuristic_config(
     for about 8 of them per SM; from 5 rows, 5 stages and about 4 per SM; at D <= 64, 5 stages
     and about 8 per SM at any row count. From 3 up to 8
     B*Hkv programs per SM with K/V of at most 4k tokens (same cache, rows and D): one split of
-    16-token tiles, 1 warp, 5 stages; at D <= 64 up to what fits an SM and at any K/V length
-    (``_batch_lean_splits``).
+    16-token tiles, 1 warp, 5 stages; at D <= 64 up to what fits an SM, and past 4k tokens up
+    to 8 per SM with splits for about 8 per SM (``_batch_lean_splits``).
     Otherwise splits fill about 4 programs per SM when B*Hkv programs cannot, down to one
     64-token tile per split; at large batch with long K/V, a few splits of narrower tiles
     (block_n=32) still help (shorter dependent chains, better tail balance); at large batch
@@ -391,31 +388,34 @@ def _batch_lean_splits(shape: ProblemShape, base_programs: int, block_m: int, nu
     tiles (16 tokens, 1 warp, 5 stages: two K/V tiles in flight) instead of 64-token tiles at 4
     warps; None where they do not. 16-bit cache, up to 16 rows, D <= 128, all programs resident
     at once, and: at D > 64, K/V of at most BATCH_LEAN_MAX_KV_LEN tokens and at most
-    BATCH_LEAN_MAX_PROGRAMS_PER_SM programs per SM, one split; at D <= 64, as many programs as
-    fit an SM (17 on an H200 by the model; 20 measured), one split up to
-    BATCH_LEAN_MAX_KV_LEN tokens and splits for at least LEAN_PROGRAMS_PER_SM programs per SM past
-    it.
+    BATCH_LEAN_MAX_PROGRAMS_PER_SM programs per SM, one split; at D <= 64, up to
+    BATCH_LEAN_MAX_KV_LEN tokens as many programs as fit an SM (17 on an H200 by the model, 20
+    measured), one split, and past it at most BATCH_LEAN_MAX_PROGRAMS_PER_SM per SM with splits
+    for at least LEAN_PROGRAMS_PER_SM programs per SM, as many as fit.
 
     H200, same runs, shapes off the tuning grid (reports/nvidia-h200/2026-11-30/
     ab_large_lean.txt, ab_rule_validation.txt, ab_wave_lean.txt, ab_d64_batch.txt;
-    docs/perf-notes.md, "Seventeenth lease"). D = 128: at 3.9-7.8 programs per SM 0.87-1.00x the
-    time of the previous rule (64-token tiles, 4 warps) at all 9; at 8.7-13.6 per SM 1.01-1.18x
-    at 9 of 10, though 10 such programs fit an SM; at 15.5 per SM 0.93-0.97x again at 4 of 4 (not
-    taken: nothing here models the band between). D = 64: 0.90-0.98x at 7.8-19.4 programs
-    per SM and K/V up to 4k (one split) at 9 of 9; past 4k, 0.77-0.90x with 2-4 splits at 3.0-5.8
-    per SM and 0.83x with one or two at 6.8.
+    docs/perf-notes.md, "Seventeenth lease"). K/V up to 4k at 3.9-7.8 programs per SM (D = 128,
+    two at D = 64): 0.87-1.00x the time of the previous rule (64-token tiles, 4 warps) at all 9.
+    D = 128 at 8.7-13.6 per SM: 1.01-1.18x at 9 of 10, though 10 such programs fit an SM; at 15.5
+    per SM 0.93-0.97x again at 4 of 4 (not taken: nothing here models the band between). D = 64
+    (17-20 fit an SM) at 9.7-19.4 per SM: 0.90-0.98x at 8 of 8; past 4k, 0.77-0.90x with 2-4
+    splits at 3.0-5.8 per SM and 0.83x with one or two at 6.8 (nothing measured past 8 per SM).
     """
     if (shape.kv_dtype not in (torch.float16, torch.bfloat16) or shape.head_dim > 128
             or block_m != DOT_MIN_BLOCK_M):
         return None
     lean = KernelConfig(block_n=16, block_m=DOT_MIN_BLOCK_M, num_warps=1, num_stages=5)
     if shape.block_d <= LEAN_SMALL_HEAD_DIM:
-        per_sm = resident_programs_per_sm(lean, shape, shared_memory_per_sm)
-        if base_programs > per_sm * max(1, num_sms):
+        wave = resident_programs_per_sm(lean, shape, shared_memory_per_sm) * max(1, num_sms)
+        if base_programs > wave:
             return None
         if shape.max_kv_len <= BATCH_LEAN_MAX_KV_LEN:
             return 1
-        return max(1, -(-LEAN_PROGRAMS_PER_SM * max(1, num_sms) // base_programs))
+        if base_programs > BATCH_LEAN_MAX_PROGRAMS_PER_SM * max(1, num_sms):
+            return None
+        splits = -(-LEAN_PROGRAMS_PER_SM * max(1, num_sms) // base_programs)
+        return max(1, min(splits, wave // base_programs))  # all resident at once
     if shape.max_kv_len > BATCH_LEAN_MAX_KV_LEN:
         return None
     per_sm = min(BATCH_LEAN_MAX_PROGRAMS_PER_SM,
@@ -521,10 +521,10 @@ def scale_splits_to_raggedness(
     H200 held-out ragged shapes (lengths uniform in [L/2, L]) ran best with ~1.3x the
     equal-length split count (docs/perf-notes.md). Programs that would pass one wave but make
     fewer than FULL_WAVES waves step to FULL_WAVES waves, where finishing programs make room for
-    the rest, if each split keeps RAGGED_MULTIWAVE_MIN_TOKENS_PER_SPLIT tokens of the mean
-    request (12 tiles of 64 tokens; H200, B=64 L=16k ragged, 64-token tiles at 4 warps, one run:
-    792.6 us at 1 split (0.78 waves), 761.4 at 4 (3.1), 751.6 at 6 (4.7); 2 splits (1.55 waves)
-    were slower than 1 in another run); else, and from FULL_WAVES waves on, no change.
+    the rest, if each split keeps MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request (H200,
+    B=64 L=16k ragged, 64-token tiles at 4 warps, one run: 792.6 us at 1 split (0.78 waves), 761.4
+    at 4 (3.1), 751.6 at 6 (4.7); 2 splits (1.55 waves) were slower than 1 in another run); else,
+    and from FULL_WAVES waves on, no change.
     """
     factor = min(shape.kv_len_spread, MAX_RAGGED_SPLIT_FACTOR)
     if factor < 1.1:
@@ -540,9 +540,9 @@ def scale_splits_to_raggedness(
                      max(config.num_kv_splits, tiles // RAGGED_MIN_TILES_PER_SPLIT))
         why = "in one wave of programs"
     elif programs < FULL_WAVES * wave:
-        mean_tokens = shape.max_kv_len / shape.kv_len_spread
+        mean_tiles = shape.max_kv_len / shape.kv_len_spread / config.block_n
         splits = min(MAX_NUM_KV_SPLITS, -(-FULL_WAVES * wave // base))
-        if mean_tokens / splits < RAGGED_MULTIWAVE_MIN_TOKENS_PER_SPLIT:
+        if mean_tiles / splits < MULTIWAVE_MIN_TILES_PER_SPLIT:
             return config, ()
         why = f"in {base * splits / wave:.1f} waves of {wave} programs instead of {programs / wave:.2f}"
     else:
