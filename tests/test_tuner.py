@@ -824,3 +824,39 @@ def test_a_new_study_measures_the_tables_current_winner_second(tmp_path):
     assert main(args) == 0
     measured = [KernelConfig(**r["config"]) for r in _records(out) if r["measured"]]
     assert measured[:2] == [default, previous]
+
+
+@cpu_only
+def test_stale_only_tunes_just_the_buckets_timed_against_another_default(tmp_path, capsys):
+    """--stale-only: of the grid's buckets, only those the output table lacks or holds timed
+    against another default than today's heuristic are tuned; the others keep their entries."""
+    specs = [ShapeSpec(b, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64) for b in (1, 3)]
+    info = tables.DeviceInfo("CPU Triton interpreter", 132, (0, 0), 0)
+    out = tmp_path / "t"
+    out.mkdir()
+    paths = search.OutputPaths.for_device(out, info.name, None)
+    other = KernelConfig(block_n=32, block_m=16, num_kv_splits=2, num_warps=2, num_stages=2)
+    key = tables.problem_class_key(specs[0].to_problem_shape())
+    buckets = [tables.bucket_of(s.batch_size, s.kv_len) for s in specs]
+    assert buckets[0] != buckets[1]
+    entries = {}
+    for spec, bucket, up_to_date in zip(specs, buckets, (True, False)):
+        default = heuristic_config(spec.to_problem_shape(), 132)
+        assert other != default
+        entries[bucket] = tables.TableEntry(default, 10.0, 1.0, None, default if up_to_date else other,
+                                            11.0, 0.9, tuned_batch_size=spec.batch_size)
+    tables.merge_entries(paths.table, info, {key: entries}, {})
+    grid = ["--batch-sizes", "1,3", "--kv-lens", "40", "--heads", "4:2", "--head-dim", "64"]
+    args = [*grid, "--trials", "1", "--stale-only", "--out", str(out), "--isolation", "inline", *FAST]
+    assert main(args) == 0
+    assert "--stale-only: 1 of 2 buckets up to date" in capsys.readouterr().err
+    tables.clear_cache()
+    after = tables.load_table(paths.table).entries[key]
+    assert after[buckets[0]] == entries[buckets[0]]  # kept as it was
+    assert after[buckets[1]].time_us != 10.0  # re-tuned, against today's default
+    assert after[buckets[1]].default_config == heuristic_config(specs[1].to_problem_shape(), 132)
+    # Everything up to date now: a second run tunes nothing and leaves the table alone.
+    before = paths.table.read_bytes()
+    assert main(args) == 0
+    assert "--stale-only: 2 of 2 buckets up to date" in capsys.readouterr().err
+    assert paths.table.read_bytes() == before

@@ -130,6 +130,10 @@ def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool) -> None:
                    help="best configs re-timed against the default at the end (default %(default)s)")
     s.add_argument("--retime-rounds", type=_positive_int, default=2 if cpu else 5,
                    help="interleaved re-timing rounds (default %(default)s)")
+    s.add_argument("--stale-only", action="store_true",
+                   help="tune only the grid's buckets that the output table lacks or holds timed "
+                        "against another heuristic default or kernel than today's (e.g. after "
+                        "upgrading tsdecode); the others keep their entries")
     for name, choices in (("block-n", "BLOCK_N_CHOICES"), ("block-m", "BLOCK_M_CHOICES"),
                           ("num-kv-splits", None), ("num-warps", "NUM_WARPS_CHOICES"),
                           ("num-stages", "NUM_STAGES_CHOICES")):
@@ -323,6 +327,11 @@ def run_tune(args, device: str) -> int:
                              run_info=run_info, shared_memory_per_sm=hello["shared_memory_per_sm"])
         tuner.log.write({"kind": "run", "device": device_info.to_dict(), "copy_bandwidth_gbs": copy_bw,
                          "settings": settings.to_dict(), "worker_pid": hello["pid"], **run_info})
+        if args.stale_only:
+            stale = tuner.stale_buckets(buckets)
+            echo(f"--stale-only: {len(buckets) - len(stale)} of {len(buckets)} buckets up to date "
+                 f"in {paths.table}; tuning {len(stale)}")
+            buckets = stale
         results = tuner.run(buckets)
     except runner.WorkerUnavailable as e:
         echo(f"{PROG}: error: {e}")

@@ -921,6 +921,23 @@ class Tuner:
                     study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
         return self._finalize(study, bucket, name, default, cache)
 
+    def stale_buckets(self, buckets: Sequence[Bucket]) -> list[Bucket]:
+        """The buckets whose entry the output table lacks, or holds timed against another default
+        than the heuristic gives today (a tsdecode upgrade that changed the heuristic), or with
+        another kernel or triton major version (``Table.stale``); a re-tune of just these keeps
+        "tuned never slower than the heuristic" true for the whole table."""
+        table = tables.load_table(self.paths.table) if self.paths.table.exists() else None
+        if table is None or table.stale:
+            return list(buckets)
+        num_sms = self.device_info.sm_count
+        stale = []
+        for bucket in buckets:
+            entry = table.entries.get(bucket.class_key, {}).get(bucket.bucket)
+            default = heuristic_config(bucket.shape, num_sms, self.shared_memory_per_sm)
+            if entry is None or entry.default_config != default:
+                stale.append(bucket)
+        return stale
+
     def _table_winner(self, bucket: Bucket, space: dict[str, Sequence[int]]) -> KernelConfig | None:
         """The winner the output table already holds for ``bucket`` (None if absent, unreadable
         or outside today's search space): a new study measures it among its first trials."""
