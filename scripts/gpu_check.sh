@@ -8,7 +8,8 @@
 # BENCH_ONLY limits the targets step to shapes whose name contains one of its comma-separated
 # texts (the heldout step too); SWEEP_ONLY picks the target shapes the sweepsel step sweeps;
 # NCU_SHAPES the kv_dtype:B:L shapes the ncu step profiles (Nsight Compute, split pass only),
-# NCU_CONFIG an explicit config for them (block_n/splits/warps/stages, e.g. 16/1/1/5).
+# NCU_CONFIG an explicit config for them (block_n/splits/warps/stages, e.g. 16/1/1/5); OCC_ARGS the
+# occupancy step's arguments (scripts/occupancy.py: e.g. "--head-dims 64,128 --jobs 12").
 # Logs and CSVs go to $OUT (the device tool's output folder) or ./gpu_out.
 set -u
 cd "$(dirname "$0")/.."
@@ -39,7 +40,7 @@ for step in $steps; do
                  --section WarpStateStats --section SchedulerStats --section InstructionStats --section Occupancy \
                  python3 scripts/ncu_probe.py --kv-dtype "${a%%:*}" ${NCU_CONFIG:+--config "$NCU_CONFIG"} "${a#*:}" 2>&1 | tee -a "$OUT/ncu.log" | grep -v "^==PROF==" | tail -150
              done ;;
-    occupancy) python3 scripts/occupancy.py 2>&1 | tee "$OUT/occupancy.log" ;;
+    occupancy) python3 scripts/occupancy.py ${OCC_ARGS:-} --csv "$OUT/occupancy.csv" 2>&1 | tee "$OUT/occupancy.log" | tail -5 ;;
     host)    python3 scripts/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" ;;
     heldout) python3 scripts/bench_decode.py --suite heldout ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/heldout.csv" 2>&1 | tee "$OUT/heldout.log" | grep -v "^#   " ;;
     tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "${TUNE_OUT:-$OUT/tuned}" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -40 ;;

@@ -1,28 +1,46 @@
 """Registers, shared memory and resident programs per SM of the split-KV kernel, per config.
 
-Compiles each config (Llama-3-8B class: Hq=32, Hkv=8, D=128, P=16; bf16 and fp8 caches) through
-the public wrapper and reads the compiled kernel's metadata. "resident/SM" is the bound from
-registers (64K per SM, allocated per warp in 256-register units), shared memory (228 KiB per SM,
-1 KiB reserved per block) and 64 warps per SM; the wave size is that times the SM count.
+Compiles each config through the public wrapper (Hkv=8, Hq = 8 x G with G = block_m unless
+--groups, P=16, K/V 1024 tokens, bf16 q; bf16 and fp8 caches; one split, the direct-output
+kernel, and two) and reads the compiled kernel's metadata. Columns:
+  regs, spills, smem_B   the compiled kernel's registers a thread, spilled bytes, shared memory
+  flat                   64K registers a SM shared by any warps (this script's count before the
+                         eighteenth lease: wrong where registers round badly per sub-partition)
+  sub                    registers allocated per warp (256-register units) within each of the
+                         SM's 4 sub-partitions (16K registers each), as CUDA's occupancy calculator
+                         does; with shared memory (1 KiB reserved a block) and 64 warps a SM
+  driver                 cuOccupancyMaxActiveBlocksPerMultiprocessor for the loaded kernel (truth)
+  model                  tsdecode.configs.resident_programs_per_sm (what config selection uses)
 
 Usage: python scripts/occupancy.py [--block-n 16,32] [--warps 1,2] [--stages 3,5] [--head-dims 64,128]
-(defaults: every block_n of 16-128, 1-8 warps, 1-5 stages, D = 128)
+       [--kv bf16,fp8] [--block-m 16,32] [--groups 1,4] [--splits 1,2] [--jobs 8] [--csv PATH]
+(defaults: every block_n of 16-128, 1-8 warps, 1-5 stages, D = 128, both caches, 16 rows, one and
+two splits, one process). Without a GPU: --resources OUT A.csv B.csv ... merges measured CSVs
+into the model's table (tsdecode/data/split_kernel_resources.csv; their .log files' first lines,
+device and versions, become its source comments).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 import tsdecode  # noqa: E402
-from tsdecode.configs import KernelConfig  # noqa: E402
+from tsdecode.configs import KernelConfig, ProblemShape, resident_programs_per_sm  # noqa: E402
 from tsdecode.kernels import decode  # noqa: E402
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+HEADER = ("kv", "D", "G", "block_m", "block_n", "warps", "stages", "direct", "regs", "spills", "smem_B",
+          "flat", "sub", "driver", "model")
 
 
 def compiled_kernels(fn) -> dict:
@@ -33,11 +51,107 @@ def compiled_kernels(fn) -> dict:
     return out
 
 
-def resident_per_sm(n_regs: int, num_warps: int, shared: int, smem_per_sm: int) -> int:
+def flat_resident_per_sm(n_regs: int, num_warps: int, shared: int, smem_per_sm: int) -> int:
     regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
     by_regs = 65536 // (regs_per_warp * num_warps)
     by_smem = smem_per_sm // (shared + 1024) if shared else 32
     return max(0, min(by_regs, by_smem, 64 // num_warps, 32))
+
+
+def sub_partition_resident_per_sm(n_regs: int, num_warps: int, shared: int, smem_per_sm: int) -> int:
+    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
+    by_regs = 4 * (16384 // regs_per_warp) // num_warps
+    by_smem = smem_per_sm // (shared + 1024) if shared else 32
+    return max(0, min(by_regs, by_smem, 64 // num_warps, 32))
+
+
+def driver_resident_per_sm(kernel, num_warps: int, shared: int) -> int:
+    """The CUDA driver's count for the loaded kernel (-1 where it cannot be asked)."""
+    try:
+        if getattr(kernel, "function", None) is None and hasattr(kernel, "_init_handles"):
+            kernel._init_handles()
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        blocks = ctypes.c_int(0)
+        err = libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(blocks), ctypes.c_void_p(int(kernel.function)), ctypes.c_int(32 * num_warps),
+            ctypes.c_size_t(shared))
+        return blocks.value if err == 0 else -1
+    except Exception:  # noqa: BLE001 - a diagnostic column
+        return -1
+
+
+def rows(args, smem_per_sm: int):
+    dev = torch.device("cuda")
+    combos = [c for c in itertools.product(args.kv, args.head_dims, args.groups or [0], args.block_m,
+                                           args.block_n, args.warps, args.stages, args.splits)
+              if c[2] <= c[3]]  # G rows fit block_m
+    for kv_name, head_dim, group, block_m, block_n, warps, stages, splits in combos[args.slice[0]::args.slice[1]]:
+        group = group or block_m
+        kv_dtype = KV_DTYPES[kv_name]
+        cfg = KernelConfig(block_n=block_n, block_m=block_m, num_kv_splits=splits, num_warps=warps,
+                           num_stages=stages)
+        key = (kv_name, head_dim, group, block_m, block_n, warps, stages, splits)
+        before = set(compiled_kernels(decode._split_kv_kernel))
+        tables = torch.zeros((1, 64), dtype=torch.int32, device=dev)
+        lens = torch.full((1,), 1024, dtype=torch.int32, device=dev)
+        w = tsdecode.BatchDecodePagedTSWrapper()
+        try:
+            w.plan(tables, lens, 8 * group, 8, head_dim, 16, q_data_type=torch.bfloat16,
+                   kv_data_type=kv_dtype, o_data_type=torch.bfloat16, config=cfg)
+        except Exception as exc:  # noqa: BLE001
+            print(f"# {key} failed: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+            continue
+        new = [k for key_, k in compiled_kernels(decode._split_kv_kernel).items() if key_ not in before]
+        if not new:
+            print(f"# {key}: no new kernel compiled", flush=True)
+            continue
+        k = new[0]
+        shared = int(getattr(k.metadata, "shared", 0))
+        shape = ProblemShape(batch_size=1, num_qo_heads=8 * group, num_kv_heads=8, head_dim=head_dim,
+                             page_size=16, max_kv_len=1024, kv_dtype=kv_dtype)
+        yield (kv_name, head_dim, group, block_m, block_n, warps, stages, int(splits == 1), k.n_regs,
+               k.n_spills, shared,
+               flat_resident_per_sm(k.n_regs, warps, shared, smem_per_sm),
+               sub_partition_resident_per_sm(k.n_regs, warps, shared, smem_per_sm),
+               driver_resident_per_sm(k, warps, shared),
+               resident_programs_per_sm(cfg, shape, smem_per_sm))
+
+
+RESOURCE_COLUMNS = ("kv_bytes", "block_d", "group_size", "block_m", "block_n", "num_warps",
+                    "num_stages", "direct_out", "registers", "shared_bytes")
+
+
+def write_resources(inputs: list[str], out: str) -> int:
+    """The model's table from measured CSVs: per config (K/V bytes, block_d, G, block_m, block_n,
+    warps, stages, one split or more) the registers a thread and shared memory (the most where a
+    config was measured twice)."""
+    import csv
+
+    merged: dict[tuple, tuple[int, int]] = {}
+    heads = []
+    for path in inputs:
+        for r in csv.DictReader(open(path)):
+            key = (1 if r["kv"] == "fp8" else 2, int(r["D"]), int(r.get("G") or r["block_m"]),
+                   int(r["block_m"]), int(r["block_n"]), int(r["warps"]), int(r["stages"]),
+                   int(r["direct"]))
+            regs, shared = int(r["regs"]), int(r["smem_B"])
+            old = merged.get(key, (0, 0))
+            merged[key] = (max(old[0], regs), max(old[1], shared))
+        log = path[: -len(".csv")] + ".log"
+        if os.path.exists(log):
+            with open(log) as f:
+                heads.append(f"# source {os.path.basename(path)}: {f.readline().strip().lstrip('# ')}\n")
+    with open(out, "w") as f:
+        f.write("# Split-KV kernel resources per config: registers a thread and shared memory (bytes) of\n"
+                "# the kernel triton compiled through the public plan (Hkv=8, Hq=8*G, P=16, bf16 q, dense,\n"
+                "# one query token) on the GPU below. Written by scripts/occupancy.py --resources from its\n"
+                "# CSVs; read by tsdecode.configs.split_kernel_resources.\n")
+        f.writelines(heads)
+        f.write(",".join(RESOURCE_COLUMNS) + "\n")
+        for key in sorted(merged):
+            f.write(",".join(map(str, (*key, *merged[key]))) + "\n")
+    print(f"{len(merged)} configs written to {out}")
+    return 0
 
 
 def main() -> int:
@@ -47,38 +161,68 @@ def main() -> int:
     ap.add_argument("--warps", type=ints, default=[1, 2, 4, 8])
     ap.add_argument("--stages", type=ints, default=[1, 2, 3, 4, 5])
     ap.add_argument("--head-dims", type=ints, default=[128])
+    ap.add_argument("--kv", type=lambda t: t.split(","), default=["bf16", "fp8"])
+    ap.add_argument("--block-m", type=ints, default=[16], help="query rows a program")
+    ap.add_argument("--groups", type=ints, default=None,
+                    help="query heads a KV head (default: G = block_m; G > block_m skipped)")
+    ap.add_argument("--splits", type=ints, default=[1, 2],
+                    help="1 compiles the direct-output variant, more the split variant")
+    ap.add_argument("--jobs", type=int, default=1, help="compile in this many processes")
+    ap.add_argument("--slice", type=lambda t: tuple(int(x) for x in t.split("/")), default=(0, 1),
+                    help=argparse.SUPPRESS)  # i/n: this process's share (--jobs sets it)
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--resources", default=None, metavar="OUT",
+                    help="no GPU: merge the --csv files given as arguments into OUT, the table "
+                         "tsdecode/data/split_kernel_resources.csv")
+    ap.add_argument("inputs", nargs="*", help="occupancy CSVs for --resources")
     args = ap.parse_args()
+    if args.resources:
+        return write_resources(args.inputs, args.resources)
     if not torch.cuda.is_available():
         print("occupancy needs a CUDA GPU", file=sys.stderr)
         return 2
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
+    props = torch.cuda.get_device_properties(0)
     smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
-    print(f"# {props.name}: {props.multi_processor_count} SMs, {smem_per_sm} B shared memory per SM")
-    print(f"{'kv':14s} {'D':>3s} {'block_n':>7s} {'warps':>5s} {'stages':>6s} {'regs':>5s} {'spills':>6s} "
-          f"{'smem B':>7s} {'resident/SM':>11s} {'wave':>5s}")
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        for head_dim, block_n, warps, stages in itertools.product(
-                args.head_dims, args.block_n, args.warps, args.stages):
-            cfg = KernelConfig(block_n=block_n, block_m=16, num_kv_splits=1, num_warps=warps,
-                               num_stages=stages)
-            row = f"{str(kv_dtype):14s} {head_dim:3d} {block_n:7d} {warps:5d} {stages:6d}"
-            before = set(compiled_kernels(decode._split_kv_kernel))
-            tables = torch.zeros((1, 64), dtype=torch.int32, device=dev)
-            lens = torch.full((1,), 1024, dtype=torch.int32, device=dev)
-            w = tsdecode.BatchDecodePagedTSWrapper()
-            try:
-                w.plan(tables, lens, 32, 8, head_dim, 16, q_data_type=torch.bfloat16,
-                       kv_data_type=kv_dtype, o_data_type=torch.bfloat16, config=cfg)
-            except Exception as exc:
-                print(f"{row} failed: {type(exc).__name__}: {str(exc)[:80]}")
-                continue
-            new = [k for key, k in compiled_kernels(decode._split_kv_kernel).items() if key not in before]
-            for k in new[:1]:
-                shared = int(getattr(k.metadata, "shared", 0))
-                res = resident_per_sm(k.n_regs, warps, shared, smem_per_sm)
-                print(f"{row} {k.n_regs:5d} {k.n_spills:6d} {shared:7d} {res:11d} "
-                      f"{res * props.multi_processor_count:5d}", flush=True)
+    if args.jobs > 1:  # children print CSV lines; this process sorts and prints them
+        lists = {"--block-n": args.block_n, "--warps": args.warps, "--stages": args.stages,
+                 "--head-dims": args.head_dims, "--kv": args.kv, "--block-m": args.block_m,
+                 "--splits": args.splits, **({"--groups": args.groups} if args.groups else {})}
+        argv = [x for flag, values in lists.items() for x in (flag, ",".join(map(str, values)))]
+        procs = [subprocess.Popen([sys.executable, __file__, *argv, "--slice", f"{i}/{args.jobs}",
+                                   "--csv", "-"], stdout=subprocess.PIPE, text=True)
+                 for i in range(args.jobs)]
+        found = []
+        for p in procs:
+            out, _ = p.communicate()
+            if p.returncode:
+                print(f"# a compile process failed (exit {p.returncode}): its share is missing",
+                      file=sys.stderr)
+            found += [line.split(",") for line in out.splitlines() if line and not line.startswith("#")
+                      and not line.startswith("kv,")]
+        order = {name: i for i, name in enumerate(KV_DTYPES)}
+        table = sorted(found, key=lambda r: (order[r[0]], *map(int, r[1:8])))
+    else:
+        table = []
+        for row in rows(args, smem_per_sm):
+            table.append([str(x) for x in row])
+            if args.csv == "-":
+                print(",".join(table[-1]), flush=True)
+        if args.csv == "-":
+            return 0
+    lines = [",".join(HEADER)] + [",".join(r) for r in table]
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    print(f"# {props.name}: {props.multi_processor_count} SMs, {smem_per_sm} B shared memory per SM; "
+          f"torch {torch.__version__}, triton {triton.__version__}")
+    print(" ".join(f"{h:>7s}" for h in HEADER))
+    for r in table:
+        print(" ".join(f"{x:>7s}" for x in r))
+    off = [r for r in table if int(r[13]) >= 0 and int(r[14]) != int(r[13])]
+    print(f"# model off the driver's count at {len(off)} of {len(table)} configs"
+          + (": " + "; ".join("/".join(r[:8]) + f" {r[14]} vs {r[13]}" for r in off[:40]) if off else ""))
+    sub = [r for r in table if int(r[13]) >= 0 and int(r[12]) != int(r[13])]
+    print(f"# sub-partition count off the driver's at {len(sub)} of {len(table)} configs")
     return 0
 
 

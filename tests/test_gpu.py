@@ -455,3 +455,62 @@ def test_direct_launch_falls_back_to_triton_dispatch(monkeypatch):
         torch.cuda.synchronize()
         check(case, out, ref)
     assert w._plan.launch._direct_broken and not w._plan.launch._direct
+
+
+def _driver_resident_programs(kernel, num_warps: int) -> int:
+    """cuOccupancyMaxActiveBlocksPerMultiprocessor for a compiled triton kernel (the truth the
+    residency model stands in for)."""
+    import ctypes
+
+    if getattr(kernel, "function", None) is None:
+        kernel._init_handles()
+    blocks = ctypes.c_int(0)
+    err = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(int(kernel.function)), ctypes.c_int(32 * num_warps),
+        ctypes.c_size_t(int(kernel.metadata.shared)))
+    assert err == 0, f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed: {err}"
+    return blocks.value
+
+
+@pytest.mark.parametrize("hq,hkv,head_dim,kv_dtype,batch,kv_len", [
+    (32, 8, 128, BF16, 1, 32768),  # lean: 16/1/3, splits
+    (64, 8, 128, BF16, 1, 8192),  # lean, 8 rows: 5 stages, splits
+    (32, 8, 128, BF16, 128, 1024),  # batch lean: one split (direct output), 5 stages
+    (32, 8, 64, BF16, 8, 8192),  # D=64 lean
+    (32, 8, 64, BF16, 200, 2048),  # D=64 batch lean
+    (32, 8, 128, FP8, 1, 8192),  # fp8 lean
+    (32, 8, 128, FP8, 128, 8192),  # fp8 at ~46 a SM
+    (32, 32, 128, BF16, 64, 6144),  # MHA: 64-token tiles, 4 warps, multi-wave splits
+    (64, 2, 128, BF16, 8, 8192),  # 32 rows: block_m 32 lean tiles
+])
+def test_residency_model_matches_the_driver(hq, hkv, head_dim, kv_dtype, batch, kv_len):
+    """The heuristic's programs per SM (``resident_programs_per_sm``: measured registers and
+    shared memory, counted per register sub-partition) equal the CUDA driver's count for the
+    kernel the plan compiles, at the configs the plan picks (the H200 table's entries or the
+    heuristic) for nine shapes of the heuristic's families. The resource table was measured
+    on an H200 with triton 3.6: elsewhere the model is an estimate and this test is skipped."""
+    import triton
+
+    from tsdecode.configs import ProblemShape, device_shared_memory_per_sm, resident_programs_per_sm
+
+    props = torch.cuda.get_device_properties(0)
+    if (props.major, props.minor) != (9, 0) or not triton.__version__.startswith("3.6"):
+        pytest.skip("the resource table was measured on sm_90 with triton 3.6")
+    dev = torch.device("cuda")
+    pages = -(-kv_len // 16)
+    tables = torch.arange(batch * pages, dtype=torch.int32, device=dev).reshape(batch, pages)
+    lens = torch.full((batch,), kv_len, dtype=torch.int32, device=dev)
+    for fn in (decode._split_kv_kernel, decode._merge_kernel):
+        fn.device_caches.clear()
+    decode.clear_compiled_cache()
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan(tables, lens, hq, hkv, head_dim, 16, q_data_type=BF16, kv_data_type=kv_dtype,
+           o_data_type=BF16)
+    config = w._plan.selected.kernel_config
+    shape = ProblemShape(batch_size=batch, num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+                         page_size=16, max_kv_len=kv_len, kv_dtype=kv_dtype)
+    kernels = [k for cache in decode._split_kv_kernel.device_caches.values()
+               for k in (cache[0] if isinstance(cache, tuple) else cache).values()]
+    assert len(kernels) == 1
+    model = resident_programs_per_sm(config, shape, device_shared_memory_per_sm(dev))
+    assert model == _driver_resident_programs(kernels[0], config.num_warps), config

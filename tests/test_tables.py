@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -784,7 +785,7 @@ def test_ragged_one_wave_batches_get_more_splits():
 
 def test_ragged_batches_short_of_full_waves_step_to_full_waves():
     """Past one wave of the config's own residency but short of FULL_WAVES waves, a ragged batch
-    steps to FULL_WAVES waves if each split keeps 12 tiles of the mean request."""
+    steps to FULL_WAVES waves if each split keeps 768 tokens of the mean request."""
     from tsdecode.configs import FULL_WAVES, resident_programs_per_sm, scale_splits_to_raggedness
 
     wide = KernelConfig(block_n=64, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
@@ -800,21 +801,106 @@ def test_ragged_batches_short_of_full_waves_step_to_full_waves():
     assert scale_splits_to_raggedness(wide, short, 132) == (wide, ())
     many = make_shape(batch_size=400, kv_len=16384, kv_len_spread=1.32)  # 3200 programs, 4.8 waves
     assert scale_splits_to_raggedness(wide, many, 132) == (wide, ())
+    # The floor counts tokens (768 of the mean request a split), not tiles: one split of 16-token
+    # lean tiles at B=200, mean ~1120 tokens, would step to 4 splits of ~280 tokens: kept (the
+    # H200 ran 4 splits 1.04x one split); at mean ~3000 tokens the step to 3 splits goes ahead.
+    lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=5)
+    short_lean = make_shape(batch_size=200, kv_len=1500, kv_len_spread=1.34)
+    assert resident_programs_per_sm(dataclasses.replace(lean, num_kv_splits=2), short_lean) == 10
+    assert scale_splits_to_raggedness(lean, short_lean, 132) == (lean, ())
+    long_lean = make_shape(batch_size=256, kv_len=4096, kv_len_spread=1.33)
+    assert scale_splits_to_raggedness(lean, long_lean, 132)[0].num_kv_splits == 3  # ceil(4*1320/2048)
 
 
 def test_resident_programs_per_sm_counts_registers_and_shared_memory():
-    """Lean 1-warp 16-token programs: 12 a SM by registers; at 5 stages (two K/V buffers) a
-    16-bit cache is limited by shared memory (10), an fp8 cache still by registers."""
-    from tsdecode.configs import resident_programs_per_sm
+    """Lean 1-warp 16-token programs at D=128: 168 registers, 3 warps a sub-partition, 12 a SM;
+    at 5 stages (two K/V buffers) a 16-bit cache with splits is limited by shared memory (10), and
+    with one split (the direct-output kernel: 182 registers) by registers to 8 (not 65536 // 5888
+    = 11: registers are allocated per sub-partition); an fp8 cache by registers (12)."""
+    from tsdecode.configs import resident_programs_per_sm, split_kernel_resources
 
-    lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=3)
+    lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=2, num_warps=1, num_stages=3)
     bf16 = make_shape(batch_size=1, kv_len=1024)
     fp8 = make_shape(batch_size=1, kv_len=1024, kv_dtype=torch.float8_e4m3fn)
     deep = dataclasses.replace(lean, num_stages=5)
+    direct = dataclasses.replace(deep, num_kv_splits=1)
     assert resident_programs_per_sm(lean, bf16) == 12 == resident_programs_per_sm(lean, fp8)
     assert resident_programs_per_sm(deep, bf16) == 10 and resident_programs_per_sm(deep, fp8) == 12
+    assert split_kernel_resources(direct, bf16) == (182, 20488)
+    assert resident_programs_per_sm(direct, bf16) == 8
     big = KernelConfig(block_n=256, block_m=16, num_kv_splits=1, num_warps=8, num_stages=5)
     assert resident_programs_per_sm(big, bf16) == 1  # never 0
+
+
+def test_programs_per_sm_by_registers_counts_per_sub_partition():
+    """Registers are allocated per warp in 256-register units within each of an SM's four 16K
+    register files (CUDA's occupancy calculator; the H200's driver agreed at 3,012 kernels)."""
+    from tsdecode.configs import programs_per_sm_by_registers
+
+    assert programs_per_sm_by_registers(182, 1) == 8  # 5888 a warp: 2 a sub-partition
+    assert programs_per_sm_by_registers(168, 1) == 12  # 5376: 3
+    assert programs_per_sm_by_registers(80, 1) == 24  # 2560: 6
+    assert programs_per_sm_by_registers(96, 2) == 10  # 3072: 5 a sub-partition, 20 warps
+    assert programs_per_sm_by_registers(255, 4) == 2  # 8192: 2, 8 warps
+    assert programs_per_sm_by_registers(32, 1) == 64  # 64 warps a SM at most
+    assert programs_per_sm_by_registers(255, 8) == 1  # 8192 a warp: 2 a sub-partition, 8 warps
+
+
+def test_split_kernel_resources_take_the_nearest_measured_entry_or_a_bound():
+    """The table is keyed by K/V bytes, block_d, block_m, block_n, warps, stages and one split or
+    more, measured at G = 1, 4, 8, 16 for 16 rows: a shape takes the smallest measured G at or
+    above its rows; D < 64 takes D=64; 4 stages the 3-stage entry where unmeasured; a config
+    outside the table 255 registers and its Q tile plus K/V buffers of shared memory."""
+    from tsdecode.configs import _resource_table, split_kernel_resources
+
+    table = _resource_table()
+    assert len(table) > 1000
+    cfg = KernelConfig(block_n=64, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
+    measured = dict((g, (r, s)) for g, r, s in table[(2, 128, 16, 64, 4, 2, 1)])
+    assert sorted(measured) == [1, 4, 8, 16]
+    assert split_kernel_resources(cfg, make_shape(batch_size=1, kv_len=1024, num_qo_heads=8)) == measured[1]
+    assert split_kernel_resources(cfg, make_shape(batch_size=1, kv_len=1024, num_qo_heads=24)) == measured[4]
+    assert split_kernel_resources(cfg, make_shape(batch_size=1, kv_len=1024, num_qo_heads=40)) == measured[8]
+    d32 = make_shape(batch_size=1, kv_len=1024, head_dim=32)
+    assert split_kernel_resources(cfg, d32) == split_kernel_resources(cfg, make_shape(
+        batch_size=1, kv_len=1024, head_dim=64))
+    four = dataclasses.replace(cfg, num_stages=4, block_m=32)
+    rows32 = make_shape(batch_size=1, kv_len=1024, num_qo_heads=256)
+    assert (2, 128, 32, 64, 4, 4, 1) not in table
+    assert split_kernel_resources(four, rows32) == split_kernel_resources(
+        dataclasses.replace(four, num_stages=3), rows32)
+    outside = KernelConfig(block_n=256, block_m=16, num_kv_splits=2, num_warps=4, num_stages=5)
+    assert split_kernel_resources(outside, make_shape(batch_size=1, kv_len=1024)) == (
+        255, 4096 + 16 * 128 * 6 + 2 * 2 * 256 * 128 * 2)
+    # That bound is at least what every measured config uses.
+    for (kv_bytes, block_d, block_m, block_n, _, stages, _), measured in table.items():
+        bound = 4096 + block_m * block_d * 6 + (2 if stages >= 5 else 1) * 2 * block_n * block_d * kv_bytes
+        assert all(shared <= bound for _, _, shared in measured)
+
+
+def test_unreadable_resource_table_warns_once_and_falls_back(monkeypatch, tmp_path):
+    """A missing or corrupt resource table: one warning, then the conservative estimate (255
+    registers: 2 one-warp programs a sub-partition), never a crash."""
+    from tsdecode import configs
+
+    bad = tmp_path / "resources.csv"
+    bad.write_text("kv_bytes,block_d\n2,notanumber\n")
+    empty = tmp_path / "empty.csv"
+    empty.write_text("# header only\nkv_bytes,block_d\n")
+    for path in (bad, empty, tmp_path / "missing.csv"):
+        monkeypatch.setattr(configs, "_RESOURCES_CSV", path)
+        configs._resource_table.cache_clear()
+        configs._resident_programs_per_sm.cache_clear()
+        try:
+            lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=2, num_warps=1, num_stages=3)
+            with pytest.warns(RuntimeWarning, match="conservative estimate"):
+                assert configs.resident_programs_per_sm(lean, make_shape(batch_size=1, kv_len=64)) == 8
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                configs.heuristic_config(make_shape(batch_size=8, kv_len=4096), 132)
+        finally:
+            configs._resource_table.cache_clear()
+            configs._resident_programs_per_sm.cache_clear()
 
 
 def test_plan_passes_the_length_spread_of_fixed_lengths_only(monkeypatch):
@@ -862,7 +948,8 @@ def test_tuned_winner_is_used_in_its_own_bucket_only(tmp_path):
 
 def test_heuristic_adds_splits_only_to_fill_a_mostly_empty_last_wave():
     """16-bit cache, L < 8k, >= 4 B*Hkv programs per SM (waves of 5 programs per SM) outside the
-    batch-lean rule (K/V > 4096 tokens or > 8 programs per SM): 768 programs are 1.16 waves -> 2
+    batch-lean rule (K/V > 4096 tokens, or past one wave of 8 with a last wave less than 7/8
+    full): 768 programs are 1.16 waves -> 2
     splits (the mean request of an 8/3-spread batch of L=6000 has 35 tiles: at most 2 splits of
     >= 12 tiles); 2048 programs (3.1 waves) -> 2 splits (6.2 waves); a last wave >= 2/3 full, or
     L=1k (16 tiles), keeps 1 split."""
@@ -876,13 +963,14 @@ def test_heuristic_adds_splits_only_to_fill_a_mostly_empty_last_wave():
 
     assert splits(96, 6000, 8 / 3) == 2  # 5.8 per SM, K/V > 4096: not the batch-lean rule
     assert splits(96, 6144, 1.5) == 4  # 64 mean tiles (5 splits' room): 1.16 -> ... -> 4.65 waves
-    assert splits(256, 4096) == 2  # 15.5 per SM
+    assert splits(256, 4096) == 1  # 15.5 per SM: the batch-lean rule (1.94 waves of 8)
+    assert splits(240, 4096) == 1  # 14.5 per SM: 1.82 waves of 8; 2.9 waves of 5, the last 91% full
     assert splits(128, 6144) == 3  # 1.55 -> 3.1 (last wave 10% full) -> 4.65 waves
     assert splits(136, 4096) == 3  # 8.2 per SM: 1.65 -> 3.3 -> 4.9 waves
     assert splits(150, 4096) == 1  # 1.82 waves: the last one is 82% full
-    assert splits(256, 1024) == 1  # 3.1 waves, but 16 tiles: no room for 12-tile splits
+    assert splits(232, 1024) == 1  # 2.8 waves, but 16 tiles: no room for 12-tile splits
     assert splits(200, 1500, 4 / 3) == 1  # 17 mean tiles: no room for 12-tile splits
-    for b, n in ((96, 6000), (128, 6144), (136, 4096), (150, 4096), (256, 1024)):
+    for b, n in ((96, 6000), (128, 6144), (136, 4096), (150, 4096), (232, 1024), (240, 4096)):
         c = config(b, n)
         assert (c.block_n, c.num_warps, c.num_stages) == (64, 4, 2)  # this rule's tiles
     assert splits(128, 8192) == 2  # L >= 8k: the long-K/V rule, unchanged
@@ -952,23 +1040,26 @@ def test_heuristic_config_is_valid_on_any_gpu_and_shape():
 
 
 def test_lean_rules_take_only_the_programs_that_fit_an_sm():
-    """On a GPU with 100 KiB of shared memory a SM (L40S, RTX 4090: 7 lean programs fit, not 12)
-    both lean rules split for 7 programs per SM, rounded down, instead of ~8 (which would leave a
-    few programs for a second wave); with the H100/H200 default nothing changes."""
+    """On a GPU with 100 KiB of shared memory a SM (L40S, RTX 4090: 7 lean 3-stage programs fit
+    at D=128 with a 16-bit cache, not 12) the lean rule splits for 7 programs per SM, rounded
+    down, instead of ~8 (which would leave a few programs for a second wave); the fp8 rule's
+    programs take less shared memory (9 fit) and keep ~8; with the H100/H200 default nothing
+    changes."""
     from tsdecode.configs import (
         SHARED_MEMORY_PER_SM, config_from_table_hit, device_shared_memory_per_sm, heuristic_config,
         resident_programs_per_sm,
     )
 
     small = 102400
-    for kv, stages in ((torch.bfloat16, 3), (torch.float8_e4m3fn, 5)):
+    for kv, stages, fit in ((torch.bfloat16, 3, 7), (torch.float8_e4m3fn, 5, 9)):
         shape = make_shape(batch_size=1, kv_len=32768, kv_dtype=kv)
-        lean = KernelConfig(block_n=16, block_m=16, num_warps=1, num_stages=stages)
-        assert resident_programs_per_sm(lean, shape, small) == 7
+        lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=2, num_warps=1, num_stages=stages)
+        assert resident_programs_per_sm(lean, shape, small) == fit
         assert resident_programs_per_sm(lean, shape) == 12
         capped = heuristic_config(shape, 142, small)
         assert (capped.block_n, capped.num_warps, capped.num_stages) == (16, 1, stages)
-        assert capped.num_kv_splits == 7 * 142 // 8 == 124  # 992 programs: 6.99 per SM
+        expected = 7 * 142 // 8 if fit < 8 else 142  # bf16: 992 programs, 6.99 per SM
+        assert capped.num_kv_splits == expected
         assert heuristic_config(shape, 142).num_kv_splits == 142  # round(8 * 142 / 8)
         assert heuristic_config(shape, 132, SHARED_MEMORY_PER_SM) == heuristic_config(shape, 132)
     # Ragged lengths (48 programs): H200 22 splits x 1.5 = 33 (1584 programs: 12 a SM fit); at 7 a
@@ -1089,9 +1180,10 @@ def test_heuristic_lean_programs_at_d64_take_16_token_tiles_5_stages():
     assert knobs(config(2, 4096, head_dim=32)) == (16, 1, 5, 66)  # D=32: 16 tokens, not 64
     assert knobs(config(1, 1024, **d64)) == (16, 1, 5, 64)  # 132 asked, 64 tiles of 16
     assert config(2, 4096, **d64).block_m == 16
-    # 100 KiB a SM: 7 such programs fit (4 + 1 KiB fixed + two 2 KiB K and V buffers each),
-    # rounded down: 7 * 132 // 16.
-    assert knobs(config(2, 4096, sm=100 * 1024, **d64)) == (16, 1, 5, 57)
+    # 100 KiB a SM: 9 such programs fit (10248 bytes + 1 KiB each): ~8 a SM as on the H200; at
+    # 80 KiB 7 fit, rounded down: 7 * 132 // 16.
+    assert knobs(config(2, 4096, sm=100 * 1024, **d64)) == (16, 1, 5, 66)
+    assert knobs(config(2, 4096, sm=80 * 1024, **d64)) == (16, 1, 5, 57)
     # D=128 (and D=96, block_d 128): 16-token tiles with 3 stages at ~8 per SM at 4 rows.
     assert knobs(config(2, 4096)) == (16, 1, 3, 66)
     assert knobs(config(2, 4096, head_dim=96)) == (16, 1, 3, 66)
@@ -1100,12 +1192,12 @@ def test_heuristic_lean_programs_at_d64_take_16_token_tiles_5_stages():
     assert config(2, 4096, num_qo_heads=256, **d64).block_m == 32
 
 
-def test_heuristic_batch_lean_takes_one_split_of_lean_tiles_from_3_to_8_programs_per_sm():
+def test_heuristic_batch_lean_takes_one_split_of_lean_tiles_in_whole_waves():
     """16-bit cache, <= 16 rows (block_m 16), D <= 128, K/V of at most 4096 tokens, from 3 (the
-    lean rule's limit) to 8 B*Hkv programs per SM, no more than fit an SM: one split of 16-token
-    tiles, 1 warp, 5 stages. Past 8 per SM, K/V of 4097+ tokens, an fp8 cache, 17+ rows, D=256,
-    or more programs than fit an SM keep the previous rules; ragged scaling still applies. (The
-    8-per-SM and 4096-token bounds are checked at D=128; at D=64 only the fit bound is.)"""
+    lean rule's limit) B*Hkv programs per SM up to one wave (8 a SM at D=128 on an H200: the
+    direct-output kernel's 182 registers) or, at D=128, up to 4 waves whose last is at least 7/8
+    full: one split of 16-token tiles, 1 warp, 5 stages. Other wave counts, K/V of 4097+ tokens,
+    an fp8 cache, 17+ rows and D=256 keep the previous rules; ragged scaling still applies."""
     from tsdecode.configs import config_from_table_hit, heuristic_config, resident_programs_per_sm
 
     def config(b, n, sm=None, **kw):
@@ -1122,9 +1214,21 @@ def test_heuristic_batch_lean_takes_one_split_of_lean_tiles_from_3_to_8_programs
     assert knobs(config(99, 2048, num_qo_heads=16, num_kv_heads=4)) == batch_lean  # 396: 3 per SM
     # 392 programs (< 3 per SM): the lean rule, round(8 * 132 / 392) splits at 3 stages.
     assert knobs(config(98, 2048, num_qo_heads=16, num_kv_heads=4)) == (16, 1, 3, 3)
-    # More than 8 per SM: the multi-wave rule's 64-token tiles at 4 warps (16 tiles: 1 split).
-    assert knobs(config(133, 1024)) == (64, 4, 2, 1)  # 1064 programs
-    assert knobs(config(160, 1024)) == (64, 4, 2, 1)  # 1280 programs
+    # Past one wave of 8 a SM with a last wave under 7/8 full: the multi-wave rule's 64-token
+    # tiles at 4 warps (16 tiles: 1 split).
+    assert knobs(config(133, 1024)) == (64, 4, 2, 1)  # 1064 programs: 1.01 waves
+    assert knobs(config(160, 1024)) == (64, 4, 2, 1)  # 1280 programs: 1.21 waves
+    assert knobs(config(247, 1024)) == (64, 4, 2, 1)  # 1976: 1.87 waves, the last 87% full
+    # ... and from 7/8 full up to 4 waves: this rule.
+    assert knobs(config(248, 1024)) == batch_lean  # 1984: the last wave 88% full
+    assert knobs(config(256, 2048)) == batch_lean  # 2048: 1.94 waves
+    assert knobs(config(64, 2048, num_qo_heads=32, num_kv_heads=32)) == batch_lean  # MHA, 2048
+    assert knobs(config(528, 1024)) == batch_lean  # 4224: 4.0 waves
+    assert knobs(config(529, 1024)) == (64, 4, 2, 1)  # 4232: past 4 waves
+    assert knobs(config(256, 4097))[:2] == (64, 4)  # K/V past 4096 tokens
+    # D=64 stops at one wave (20 a SM: 2640 programs): past it, the multi-wave rule.
+    assert knobs(config(330, 1024, head_dim=64)) == batch_lean
+    assert knobs(config(640, 1024, head_dim=64))[:2] == (64, 4)  # 1.94 waves of 20
     # K/V of 4097+ tokens: the multi-wave rule (1.55 -> 3.1 -> 4.65 waves), and from 8k the
     # long-K/V rule.
     assert knobs(config(128, 4097)) == (64, 4, 2, 3)
@@ -1140,29 +1244,30 @@ def test_heuristic_batch_lean_takes_one_split_of_lean_tiles_from_3_to_8_programs
     c = config(128, 1024, num_qo_heads=64, max_seq_len_q=8, mask_kind="causal")  # 64 rows
     assert (c.block_m, c.num_warps) == (64, 4)
     assert knobs(config(99, 1024, head_dim=256)) == (32, 4, 2, 2)  # 792 programs: 6 per SM would fit
-    # 100 KiB a SM: 4 such programs fit at D=128 and 7 at D=64 (not 8): the rule stops there.
+    # 100 KiB a SM: 4 such programs fit at D=128 and 9 at D=64 (a wave of 528 and 1188).
     small = 100 * 1024
     lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=5)
     assert resident_programs_per_sm(lean, make_shape(batch_size=1, kv_len=1024), small) == 4
-    assert resident_programs_per_sm(lean, make_shape(batch_size=1, kv_len=1024, head_dim=64), small) == 7
+    assert resident_programs_per_sm(lean, make_shape(batch_size=1, kv_len=1024, head_dim=64), small) == 9
     assert knobs(config(66, 1024, sm=small)) == batch_lean  # 528 programs: 4 per SM
-    assert knobs(config(99, 1024, sm=small)) == (64, 4, 2, 1)  # 792 programs: 6 per SM
+    assert knobs(config(99, 1024, sm=small)) == (64, 4, 2, 1)  # 792 programs: 1.5 waves
     assert knobs(config(99, 1024)) == batch_lean
-    assert knobs(config(115, 1024, sm=small, head_dim=64)) == batch_lean  # 920 <= 7 * 132
-    assert knobs(config(120, 1024, sm=small, head_dim=64)) == (64, 4, 2, 1)  # 960: 7.3 per SM
-    assert knobs(config(120, 1024, head_dim=64)) == batch_lean
-    # Ragged lengths: the one split grows by the spread while the programs stay within one wave
-    # of 10 per SM (768 * 1.5 <= 1320).
+    assert knobs(config(148, 1024, sm=small, head_dim=64)) == batch_lean  # 1184 <= 9 * 132
+    assert knobs(config(150, 1024, sm=small, head_dim=64)) == (64, 4, 2, 1)  # 1200: 9.1 per SM
+    assert knobs(config(150, 1024, head_dim=64)) == batch_lean
+    # Ragged lengths: the one split grows by the spread where the programs times the spread fit
+    # one wave of the split kernel's 10 per SM (768 * 1.5 <= 1320; rounding up to 2 splits
+    # passes it: 1536 programs).
     ragged = make_shape(batch_size=96, kv_len=4096, kv_len_spread=1.5)
     assert knobs(heuristic_config(ragged, 132)) == batch_lean
     assert knobs(config_from_table_hit(ragged, None, 132).kernel_config) == (16, 1, 5, 2)
 
 
 def test_heuristic_batch_lean_at_d64_goes_past_8_per_sm_and_past_4k_tokens():
-    """D <= 64: the batch-lean tiles up to as many B*Hkv programs as fit an SM at once (17 by the
-    model on an H200: shared memory) with one split up to 4096 tokens; past it up to 8 per SM,
-    with ceil(8 * SMs / programs) splits capped at what fits an SM. D=128 keeps the 8-per-SM and
-    4096-token bounds."""
+    """D <= 64: the batch-lean tiles up to as many B*Hkv programs as fit an SM at once (20 on an
+    H200: shared memory) with one split up to 4096 tokens; past it up to 8 per SM, with
+    ceil(8 * SMs / programs) splits capped at what fits an SM. D=128 keeps the 4096-token bound
+    and its own wave rule."""
     from tsdecode.configs import heuristic_config
 
     def knobs(b, n, **kw):
@@ -1171,9 +1276,9 @@ def test_heuristic_batch_lean_at_d64_goes_past_8_per_sm_and_past_4k_tokens():
 
     d64 = dict(head_dim=64)
     assert knobs(256, 1024, **d64) == (16, 1, 5, 1)  # 2048 programs, 15.5 per SM
-    assert knobs(280, 2048, **d64) == (16, 1, 5, 1)  # 2240 <= 17 * 132
-    assert knobs(281, 2048, **d64)[:2] == (64, 4)  # 2248: past what fits
-    assert knobs(256, 1024)[:2] == (64, 4)  # D=128: past 8 per SM
+    assert knobs(330, 2048, **d64) == (16, 1, 5, 1)  # 2640 = 20 * 132
+    assert knobs(331, 2048, **d64)[:2] == (64, 4)  # 2648: past what fits
+    assert knobs(160, 1024)[:2] == (64, 4)  # D=128: 1.21 waves of 8
     assert knobs(64, 8192, **d64) == (16, 1, 5, 3)  # 512 programs: ceil(1056 / 512)
     assert knobs(112, 12288, **d64) == (16, 1, 5, 2)  # 896: ceil(1056 / 896)
     assert knobs(132, 32768, **d64) == (16, 1, 5, 1)  # 1056: exactly 8 per SM
@@ -1182,32 +1287,30 @@ def test_heuristic_batch_lean_at_d64_goes_past_8_per_sm_and_past_4k_tokens():
     # Past 4k: at most 8 per SM (nothing measured beyond), then the previous rules.
     assert knobs(133, 8192, **d64)[:2] == (32, 4)  # 1064 programs
     assert knobs(200, 32768, **d64)[:2] == (32, 4)
-    # ... and the splits never take the programs past what fits an SM at once: 100 KiB a SM
+    # ... and the splits never take the programs past what fits an SM at once: 80 KiB a SM
     # fits 7 (924 on 132 SMs), 400 base programs take 2 splits, not ceil(1056 / 400) = 3.
-    small = 100 * 1024
-    c = heuristic_config(make_shape(batch_size=50, kv_len=4097, **d64), 132, small)
+    c = heuristic_config(make_shape(batch_size=50, kv_len=4097, **d64), 132, 80 * 1024)
     assert (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits) == (16, 1, 5, 2)
-    c = heuristic_config(make_shape(batch_size=100, kv_len=4097, **d64), 132, 167936)  # 12 fit
-    assert (c.block_n, c.num_kv_splits) == (16, 1)  # 800 programs: 1600 would not fit 1584
+    c = heuristic_config(make_shape(batch_size=100, kv_len=4097, **d64), 132, 132 * 1024)  # 11 fit
+    assert (c.block_n, c.num_kv_splits) == (16, 1)  # 800 programs: 1600 would not fit 1452
     # An fp8 cache at D=64 keeps its own rule.
     assert knobs(64, 8192, kv_dtype=torch.float8_e4m3fn, **d64)[3] != 3
 
 
-def test_residency_model_at_d64_takes_its_own_register_table():
-    """The lean tiles at D <= 64 take RESIDENT_PROGRAMS_BY_TILE_D64 (measured), other tiles the
-    D=128 table; shared memory still bounds both."""
-    from tsdecode.configs import (
-        RESIDENT_PROGRAMS_BY_TILE, RESIDENT_PROGRAMS_BY_TILE_D64, resident_programs_per_sm,
-    )
+def test_residency_model_at_d64_takes_its_own_measurements():
+    """D=64 configs take their own measured registers and shared memory (the lean tiles: 80-92
+    registers, 24 or 20 a SM by registers; 10248 bytes at 5 stages: 20 by shared memory); D=32
+    takes D=64's; a smaller GPU's shared memory bounds them."""
+    from tsdecode.configs import resident_programs_per_sm
 
-    def resident(block_n, warps, stages, head_dim, smem=None):
-        c = KernelConfig(block_n=block_n, block_m=16, num_warps=warps, num_stages=stages)
+    def resident(block_n, warps, stages, head_dim, smem=None, splits=2):
+        c = KernelConfig(block_n=block_n, block_m=16, num_kv_splits=splits, num_warps=warps,
+                         num_stages=stages)
         shape = make_shape(batch_size=1, kv_len=1024, head_dim=head_dim)
         return resident_programs_per_sm(c, shape, *([smem] if smem else []))
 
-    assert resident(16, 1, 3, 64) == RESIDENT_PROGRAMS_BY_TILE_D64[(16, 1)] == 19
-    assert resident(16, 1, 3, 128) == RESIDENT_PROGRAMS_BY_TILE[(16, 1)] == 12
-    assert resident(16, 1, 5, 64) == 233472 // (4096 + 1024 + 2 * 2 * 16 * 64 * 2)  # 17
-    assert resident(16, 1, 5, 32) == 19  # D=32 is bounded by the D=64 registers
-    assert resident(64, 4, 2, 64) == RESIDENT_PROGRAMS_BY_TILE[(64, 4)]  # not measured at D=64
-    assert resident(16, 1, 3, 64, 100 * 1024) == 100 * 1024 // (4096 + 1024 + 2 * 16 * 64 * 2)
+    assert resident(16, 1, 3, 64) == 20 and resident(16, 1, 3, 128) == 12
+    assert resident(16, 1, 5, 64) == 233472 // (10248 + 1024) == 20
+    assert resident(16, 1, 5, 64, splits=1) == 20
+    assert resident(16, 1, 5, 32) == resident(16, 1, 5, 64)
+    assert resident(16, 1, 5, 64, 100 * 1024) == 100 * 1024 // (10248 + 1024) == 9

@@ -9,8 +9,11 @@ a config in ``select_config`` (explicit config, then tuned tables, then ``heuris
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -39,13 +42,15 @@ LEAN_DEEP_PROGRAMS_PER_SM = 4
 # about LEAN_PROGRAMS_PER_SM programs per SM for every row count (at D = 64 the same ~64 KiB of K/V
 # buffers per SM as the two rules above at D = 128: one buffer below 5 stages, two from 5).
 LEAN_SMALL_HEAD_DIM = 64
-# From LEAN_MAX_PROGRAMS_PER_SM up to BATCH_LEAN_MAX_PROGRAMS_PER_SM B*Hkv programs per SM (and no
-# more than fit an SM at once) with K/V of at most BATCH_LEAN_MAX_KV_LEN tokens (16-bit cache, up
-# to 16 rows, D <= 128): one split of 16-token tiles, 1 warp, 5 stages. At head dims up to
-# LEAN_SMALL_HEAD_DIM, up to what fits an SM at once with K/V up to BATCH_LEAN_MAX_KV_LEN tokens,
-# and past that, up to BATCH_LEAN_MAX_PROGRAMS_PER_SM with splits for at least
-# LEAN_PROGRAMS_PER_SM programs per SM (no more than fit an SM).
+# From LEAN_MAX_PROGRAMS_PER_SM B*Hkv programs per SM with K/V of at most BATCH_LEAN_MAX_KV_LEN
+# tokens (16-bit cache, up to 16 rows, D <= 128): one split of 16-token tiles, 1 warp, 5 stages,
+# where the programs fit one wave (all resident at once) or, at D > LEAN_SMALL_HEAD_DIM, up to
+# BATCH_LEAN_MAX_WAVES waves whose last is at least BATCH_LEAN_MIN_LAST_WAVE_FILL full. At head
+# dims up to LEAN_SMALL_HEAD_DIM past BATCH_LEAN_MAX_KV_LEN, up to BATCH_LEAN_MAX_PROGRAMS_PER_SM
+# with splits for at least LEAN_PROGRAMS_PER_SM programs per SM (no more than fit an SM).
 BATCH_LEAN_MAX_PROGRAMS_PER_SM = 8
+BATCH_LEAN_MAX_WAVES = 4
+BATCH_LEAN_MIN_LAST_WAVE_FILL = 0.875
 BATCH_LEAN_MAX_KV_LEN = 4096
 # 17-32 query rows a KV head (block_m = 32), 16-bit cache: 1-warp programs of 16-token tiles with
 # 5 stages where each split walks more than the 4 tiles such a pipeline holds in flight.
@@ -56,29 +61,30 @@ WIDE_ROWS_MIN_TILES_PER_SPLIT = 5
 # programs fit one wave; programs past one wave but short of FULL_WAVES waves step to FULL_WAVES.
 MAX_RAGGED_SPLIT_FACTOR = 4.0
 RAGGED_MIN_TILES_PER_SPLIT = 8
-# Programs of the split kernel resident per SM, by (block_n, num_warps): register-limited at
-# D = 128, 16-bit cache, 2 stages (H200, triton 3.6: reports/nvidia-h200/2026-11-29/occupancy.txt;
-# 64K registers a SM, as on every GPU since sm_70). ``resident_programs_per_sm`` adds the
-# shared-memory limit of deeper pipelines.
-RESIDENT_PROGRAMS_BY_TILE = {
-    (16, 1): 12, (16, 2): 10, (16, 4): 6, (16, 8): 4,
-    (32, 1): 9, (32, 2): 6, (32, 4): 5, (32, 8): 4,
-    (64, 1): 6, (64, 2): 4, (64, 4): 5, (64, 8): 3,
-    (128, 1): 3, (128, 2): 3, (128, 4): 2, (128, 8): 2,
-    (256, 1): 1, (256, 2): 1, (256, 4): 1, (256, 8): 1,
-}
-# ... and at D <= 64 for the lean tiles measured there (D = 64, 3-5 stages, the fewer of a 16-bit
-# and an fp8 cache: reports/nvidia-h200/2026-11-30/occupancy_lean.txt; used at every stage count
-# and at D < 64 too, which take no more registers); other tiles at D <= 64 take the D = 128 table
-# above (more registers than they need: a lower bound).
-RESIDENT_PROGRAMS_BY_TILE_D64 = {(16, 1): 19, (16, 2): 16, (32, 1): 14, (32, 2): 8}
+# ... and the step to FULL_WAVES waves keeps at least this many tokens of the mean request a split
+# (12 of the 64-token tiles it was measured with; one split of 16-token tiles stepped to 4 of
+# ~280 tokens ran 1.04x one split and 1.05x the shape's own best, H200: docs/perf-notes.md,
+# "Eighteenth lease").
+RAGGED_MULTIWAVE_MIN_TOKENS_PER_SPLIT = 768
+# Programs of the split kernel resident per SM at once (``resident_programs_per_sm``), counted as
+# CUDA's occupancy calculator does: registers go to warps in REGISTER_ALLOCATION_UNIT units within
+# each of the SM's REGISTER_SUB_PARTITIONS register files (65536 / 4 registers each; sm_70 to
+# sm_90), so 1-warp programs at 182 registers a thread fit 2 a sub-partition, 8 a SM, not
+# 65536 // 5888 = 11; shared memory per program plus SHARED_MEMORY_RESERVED_PER_PROGRAM; at most
+# MAX_WARPS_PER_SM warps and MAX_PROGRAMS_PER_SM programs. The registers and shared memory of each
+# config come from data/split_kernel_resources.csv (measured on the H200 with triton 3.6; that
+# count matched the CUDA driver's at all 3,012 kernels measured:
+# reports/nvidia-h200/2026-11-30/occupancy_driver*.csv).
+REGISTERS_PER_SM = 65536
+REGISTER_SUB_PARTITIONS = 4
+REGISTER_ALLOCATION_UNIT = 256
+MAX_WARPS_PER_SM = 64
+MAX_PROGRAMS_PER_SM = 32
 # Shared memory a program may use per SM (H100/H200: 227 KiB + 1 KiB reserved per program; the
 # default of every function taking shared_memory_per_sm, and the value for CPU runs; a GPU's own
-# comes from ``device_shared_memory_per_sm``), and what a program holds besides its K/V buffers
-# (Q, page IDs: occupancy.txt's 2-stage rows).
+# comes from ``device_shared_memory_per_sm``).
 SHARED_MEMORY_PER_SM = 233472
 SHARED_MEMORY_RESERVED_PER_PROGRAM = 1024
-SHARED_MEMORY_FIXED_PER_PROGRAM = 4096
 # heuristic_config's multi-wave rule (16-bit caches, K/V shorter than 8k, at least 4 B*Hkv programs
 # per SM): splits are added until the last wave is at least MIN_LAST_WAVE_FILL full or there are
 # FULL_WAVES waves, keeping at least MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request per
@@ -264,10 +270,11 @@ def heuristic_config(
     for a single row. Few B*Hkv programs (< 3 per SM) with 16 rows or fewer, D <= 128 and a
     16-bit cache: lean programs (16-token tiles, 4 KiB at D = 128; 1 warp; 3 stages) and splits
     for about 8 of them per SM; from 5 rows, 5 stages and about 4 per SM; at D <= 64, 5 stages
-    and about 8 per SM at any row count. From 3 up to 8
-    B*Hkv programs per SM with K/V of at most 4k tokens (same cache, rows and D): one split of
-    16-token tiles, 1 warp, 5 stages; at D <= 64 up to what fits an SM, and past 4k tokens up
-    to 8 per SM with splits for about 8 per SM (``_batch_lean_splits``).
+    and about 8 per SM at any row count. From 3 B*Hkv programs per SM with K/V of at most 4k
+    tokens (same cache, rows and D): one split of 16-token tiles, 1 warp, 5 stages, in one wave
+    (8 a SM at D = 128 on an H200, 20 at D = 64) or at D = 128 in up to 4 waves whose last is at
+    least 7/8 full; at D <= 64 past 4k tokens up to 8 per SM with splits for about 8 per SM
+    (``_batch_lean_splits``).
     Otherwise splits fill about 4 programs per SM when B*Hkv programs cannot, down to one
     64-token tile per split; at large batch with long K/V, a few splits of narrower tiles
     (block_n=32) still help (shorter dependent chains, better tail balance); at large batch
@@ -275,10 +282,11 @@ def heuristic_config(
     (``splits_for_full_waves``). fp8 caches: lean programs with 5 stages (two K/V
     tiles in flight per program), splits for about 8 per SM below 4 B*Hkv programs per SM (16
     rows or fewer, D <= 128) and for about 46 per SM from 4 B*Hkv programs per SM. The ~8 per SM
-    of both lean rules are capped at what fits an SM at once (``resident_programs_per_sm`` with
-    this GPU's shared memory: 7 on GPUs with 100 KiB a SM), so they never spill a few programs
-    into a second wave. 17-32 rows with a 16-bit cache (D <= 128): the split count of the rules
-    above, on lean tiles with 5 stages where a split walks more than 4 of them
+    of both lean rules are capped at what fits an SM at once (``resident_programs_per_sm``:
+    measured registers and shared memory per config, with this GPU's shared memory: 7 of the
+    16-bit lean programs at D = 128 on GPUs with 100 KiB a SM), so they never spill a few
+    programs into a second wave. 17-32 rows with a 16-bit cache (D <= 128): the split count of
+    the rules above, on lean tiles with 5 stages where a split walks more than 4 of them
     (``_wide_rows_lean``).
     """
     rows = shape.rows_per_kv_head
@@ -386,28 +394,29 @@ def _batch_lean_splits(shape: ProblemShape, base_programs: int, block_m: int, nu
                        shared_memory_per_sm: int) -> int | None:
     """The split count when B*Hkv programs of at least LEAN_MAX_PROGRAMS_PER_SM per SM take lean
     tiles (16 tokens, 1 warp, 5 stages: two K/V tiles in flight) instead of 64-token tiles at 4
-    warps; None where they do not. 16-bit cache, up to 16 rows, D <= 128, all programs resident
-    at once, and: at D > 64, K/V of at most BATCH_LEAN_MAX_KV_LEN tokens and at most
-    BATCH_LEAN_MAX_PROGRAMS_PER_SM programs per SM, one split; at D <= 64, up to
-    BATCH_LEAN_MAX_KV_LEN tokens as many programs as fit an SM (17 on an H200 by the model, 20
-    measured), one split, and past it at most BATCH_LEAN_MAX_PROGRAMS_PER_SM per SM with splits
-    for at least LEAN_PROGRAMS_PER_SM programs per SM, as many as fit.
+    warps; None where they do not. 16-bit cache, up to 16 rows, D <= 128, and: up to
+    BATCH_LEAN_MAX_KV_LEN tokens one split where the programs fit one wave (a wave: what fits the
+    SMs at once, ``resident_programs_per_sm``; 8 a SM at D = 128 on an H200, 20 at D = 64) or, at
+    D > 64, 2 to BATCH_LEAN_MAX_WAVES waves with the last at least BATCH_LEAN_MIN_LAST_WAVE_FILL
+    full; at D <= 64 past BATCH_LEAN_MAX_KV_LEN, at most BATCH_LEAN_MAX_PROGRAMS_PER_SM per SM with
+    splits for at least LEAN_PROGRAMS_PER_SM programs per SM, as many as fit.
 
     H200, same runs, shapes off the tuning grid (reports/nvidia-h200/2026-11-30/
-    ab_large_lean.txt, ab_rule_validation.txt, ab_wave_lean.txt, ab_d64_batch.txt;
-    docs/perf-notes.md, "Seventeenth lease"). K/V up to 4k at 3.9-7.8 programs per SM (D = 128,
-    two at D = 64): 0.87-1.00x the time of the previous rule (64-token tiles, 4 warps) at all 9.
-    D = 128 at 8.7-13.6 per SM: 1.01-1.18x at 9 of 10, though 10 such programs fit an SM; at 15.5
-    per SM 0.93-0.97x again at 4 of 4 (not taken: nothing here models the band between). D = 64
-    (17-20 fit an SM) at 9.7-19.4 per SM: 0.90-0.98x at 8 of 8; past 4k, 0.77-0.90x with 2-4
-    splits at 3.0-5.8 per SM and 0.83x with one or two at 6.8 (nothing measured past 8 per SM).
+    ab_large_lean.txt, ab_rule_validation.txt, ab_wave_lean.txt, ab_d64_batch.txt,
+    ab_two_wave_lean.txt, ab_waves.txt; docs/perf-notes.md, "Seventeenth lease" and "Eighteenth
+    lease"). K/V up to 4k in one wave (3.9-7.8 programs per SM at D = 128, 9.7-19.4 at D = 64):
+    0.87-1.00x the time of the previous rule (64-token tiles, 4 warps) at all 17. D = 128 past one
+    wave, by the last wave's fill: 0.88-1.00 full, 0.91-0.99x at 11 of 11 (up to 4 waves); 0.45-0.82
+    full, 0.99-1.01x; 0.09-0.33 full, 1.03-1.18x. D = 64 past one wave: 0.99-1.00x at 0.88-1.00
+    full, 1.13x at 0.55 (not taken). D = 64 past 4k: 0.77-0.90x with 2-4 splits at 3.0-5.8 per SM
+    and 0.83x with one or two at 6.8 (nothing measured past 8 per SM).
     """
     if (shape.kv_dtype not in (torch.float16, torch.bfloat16) or shape.head_dim > 128
             or block_m != DOT_MIN_BLOCK_M):
         return None
     lean = KernelConfig(block_n=16, block_m=DOT_MIN_BLOCK_M, num_warps=1, num_stages=5)
+    wave = resident_programs_per_sm(lean, shape, shared_memory_per_sm) * max(1, num_sms)
     if shape.block_d <= LEAN_SMALL_HEAD_DIM:
-        wave = resident_programs_per_sm(lean, shape, shared_memory_per_sm) * max(1, num_sms)
         if base_programs > wave:
             return None
         if shape.max_kv_len <= BATCH_LEAN_MAX_KV_LEN:
@@ -415,12 +424,16 @@ def _batch_lean_splits(shape: ProblemShape, base_programs: int, block_m: int, nu
         if base_programs > BATCH_LEAN_MAX_PROGRAMS_PER_SM * max(1, num_sms):
             return None
         splits = -(-LEAN_PROGRAMS_PER_SM * max(1, num_sms) // base_programs)
-        return max(1, min(splits, wave // base_programs))  # all resident at once
+        split_wave = resident_programs_per_sm(lean, shape, shared_memory_per_sm,
+                                              one_split=False) * max(1, num_sms)
+        return max(1, min(splits, split_wave // base_programs))  # all resident at once
     if shape.max_kv_len > BATCH_LEAN_MAX_KV_LEN:
         return None
-    per_sm = min(BATCH_LEAN_MAX_PROGRAMS_PER_SM,
-                 resident_programs_per_sm(lean, shape, shared_memory_per_sm))
-    return 1 if base_programs <= per_sm * max(1, num_sms) else None
+    waves = base_programs / wave
+    if waves <= 1 or (waves <= BATCH_LEAN_MAX_WAVES
+                      and waves - (math.ceil(waves) - 1) >= BATCH_LEAN_MIN_LAST_WAVE_FILL):
+        return 1
+    return None
 
 
 def _lean_splits(shape: ProblemShape, block_n: int, num_stages: int, base_programs: int,
@@ -429,39 +442,115 @@ def _lean_splits(shape: ProblemShape, block_n: int, num_stages: int, base_progra
     """Splits for about ``programs_per_sm`` lean (1-warp) programs per SM; where fewer fit an SM
     at once, as many as fit (rounded down, so no program waits for a second wave)."""
     lean = KernelConfig(block_n=block_n, block_m=DOT_MIN_BLOCK_M, num_warps=1, num_stages=num_stages)
-    resident = resident_programs_per_sm(lean, shape, shared_memory_per_sm)
+    # The split kernel's count (registers differ at one split, which these rules rarely pick).
+    resident = resident_programs_per_sm(lean, shape, shared_memory_per_sm, one_split=False)
     if resident >= programs_per_sm:
         return max(1, round(programs_per_sm * max(1, num_sms) / base_programs))
     return max(1, resident * max(1, num_sms) // base_programs)
 
 
-def resident_programs_per_sm(
-    config: KernelConfig, shape: ProblemShape, shared_memory_per_sm: int = SHARED_MEMORY_PER_SM
-) -> int:
-    """Split-kernel programs of ``config`` that fit one SM at once (a model, not a query).
+_RESOURCES_CSV = Path(__file__).with_name("data") / "split_kernel_resources.csv"
 
-    Registers: RESIDENT_PROGRAMS_BY_TILE (measured at D = 128, 2 stages; 64K registers a SM),
-    RESIDENT_PROGRAMS_BY_TILE_D64 for the tiles it holds at D <= 64. Shared memory
-    (``shared_memory_programs_per_sm``): the fixed part plus the K/V buffers, one K and one V tile
-    each, one buffer below 5 stages and two from 5 (triton 3.6 through the page table:
-    docs/perf-notes.md, "Sixth lease").
+
+@functools.lru_cache(maxsize=1)
+def _resource_table() -> dict[tuple[int, ...], list[tuple[int, int, int]]]:
+    """data/split_kernel_resources.csv as {(kv_bytes, block_d, block_m, block_n, num_warps,
+    num_stages, direct_out): [(group_size, registers, shared_bytes), ...] by group_size}; empty,
+    with one warning, if the file cannot be read (every config then takes the conservative
+    estimate of ``split_kernel_resources``)."""
+    table: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
+    try:
+        with open(_RESOURCES_CSV) as f:
+            lines = [line for line in f if line.strip() and not line.startswith("#")]
+        header = lines[0].strip().split(",")
+        for line in lines[1:]:
+            row = dict(zip(header, map(int, line.split(","))))
+            key = (row["kv_bytes"], row["block_d"], row["block_m"], row["block_n"], row["num_warps"],
+                   row["num_stages"], row["direct_out"])
+            table.setdefault(key, []).append((row["group_size"], row["registers"], row["shared_bytes"]))
+        if not table:
+            raise ValueError("no rows")
+    except (OSError, IndexError, KeyError, ValueError) as exc:
+        warnings.warn(f"tsdecode: cannot read {_RESOURCES_CSV} ({type(exc).__name__}: {exc}); "
+                      "residency per SM falls back to a conservative estimate", RuntimeWarning,
+                      stacklevel=2)
+        return {}
+    for measured in table.values():
+        measured.sort()
+    return table
+
+
+def split_kernel_resources(config: KernelConfig, shape: ProblemShape) -> tuple[int, int]:
+    """(registers a thread, shared memory bytes) of the split kernel for ``config`` on ``shape``.
+
+    Measured (``_resource_table``) at K/V of this byte width, block_d (D <= 64 counts as 64: no
+    fewer registers than it needs), this block_m, block_n, warps and one split (the kernel that
+    writes the output directly) or more, and the nearest measured G: the smallest at or above the
+    shape's query rows per KV head, else the largest (rows 1-16 measured at G = 1, 4, 8, 16; 32 and
+    64 rows at G = 32, 64). 4 stages take the 3-stage entry and 1 stage the 2-stage one where
+    unmeasured (their kernels match those closely). A config outside the table (block_n = 256,
+    block_m < 16 or > 64) takes 255 registers and 4 KiB plus 6 bytes a row and head-dim element
+    (a bf16 Q tile and an fp32 one) plus its K/V buffers (one K and one V tile a buffer; one buffer
+    below 5 stages, two from 5) of shared memory: at least what every measured config uses
+    (1.03-8x), so it fits no more programs than it can.
     """
-    tile = (config.block_n, config.num_warps)
-    by_registers = RESIDENT_PROGRAMS_BY_TILE.get(tile, 1)
-    if shape.block_d <= LEAN_SMALL_HEAD_DIM:
-        by_registers = RESIDENT_PROGRAMS_BY_TILE_D64.get(tile, by_registers)
-    return max(1, min(by_registers, shared_memory_programs_per_sm(config, shape, shared_memory_per_sm)))
-
-
-def shared_memory_programs_per_sm(
-    config: KernelConfig, shape: ProblemShape, shared_memory_per_sm: int = SHARED_MEMORY_PER_SM
-) -> int:
-    """Split-kernel programs of ``config`` whose shared memory fits one SM (the fixed part plus
-    one K and one V tile per buffer: one buffer below 5 stages, two from 5)."""
+    table = _resource_table()
+    block_d = max(64, shape.block_d)
+    direct = int(config.num_kv_splits == 1)
+    stand_in = {4: 3, 1: 2}.get(config.num_stages)
+    for stages in (config.num_stages,) + ((stand_in,) if stand_in else ()):
+        measured = table.get((shape.kv_dtype.itemsize, block_d, config.block_m, config.block_n,
+                              config.num_warps, stages, direct))
+        if measured:
+            rows = shape.rows_per_kv_head
+            _, registers, shared = next((m for m in measured if m[0] >= rows), measured[-1])
+            return registers, shared
     buffers = 2 if config.num_stages >= 5 else 1
-    shared = (SHARED_MEMORY_FIXED_PER_PROGRAM + SHARED_MEMORY_RESERVED_PER_PROGRAM
-              + buffers * 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize)
-    return max(1, shared_memory_per_sm // shared)
+    shared = (4096 + max(16, config.block_m) * block_d * 6
+              + buffers * 2 * config.block_n * block_d * shape.kv_dtype.itemsize)
+    return 255, shared
+
+
+def programs_per_sm_by_registers(registers: int, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps at ``registers`` a thread that one SM's register files hold
+    (per-warp allocation within each sub-partition, as CUDA's occupancy calculator counts)."""
+    per_warp = -(-max(1, registers) * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
+    warps = REGISTER_SUB_PARTITIONS * ((REGISTERS_PER_SM // REGISTER_SUB_PARTITIONS) // per_warp)
+    return min(warps, MAX_WARPS_PER_SM) // num_warps
+
+
+def resident_programs_per_sm(
+    config: KernelConfig, shape: ProblemShape, shared_memory_per_sm: int = SHARED_MEMORY_PER_SM,
+    one_split: bool | None = None,
+) -> int:
+    """Split-kernel programs of ``config`` that fit one SM at once (a model, not a query; at
+    least 1): the fewest of the register files' count (``programs_per_sm_by_registers``), the
+    shared memory's (``shared_memory_per_sm`` over the program's shared memory plus 1 KiB
+    reserved) and MAX_PROGRAMS_PER_SM, with the registers and shared memory of
+    ``split_kernel_resources``. The count depends on num_kv_splits only through one split (the
+    direct-output kernel) or more; ``one_split`` picks that kernel instead of config's own count.
+    """
+    if one_split is None:
+        one_split = config.num_kv_splits == 1
+    return _resident_programs_per_sm(
+        shape.kv_dtype.itemsize, max(64, shape.block_d), shape.rows_per_kv_head, config.block_m,
+        config.block_n, config.num_warps, config.num_stages, one_split, shared_memory_per_sm)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resident_programs_per_sm(kv_bytes: int, block_d: int, rows: int, block_m: int, block_n: int,
+                              num_warps: int, num_stages: int, one_split: bool,
+                              shared_memory_per_sm: int) -> int:
+    """``resident_programs_per_sm`` on the values it depends on (cached: plan() asks often)."""
+    config = KernelConfig(block_n=block_n, block_m=block_m, num_kv_splits=1 if one_split else 2,
+                          num_warps=num_warps, num_stages=num_stages)
+    kv_dtype = torch.float8_e4m3fn if kv_bytes == 1 else torch.bfloat16
+    shape = ProblemShape(batch_size=1, num_qo_heads=rows, num_kv_heads=1, head_dim=block_d,
+                         page_size=16, max_kv_len=block_n, kv_dtype=kv_dtype)
+    registers, shared = split_kernel_resources(config, shape)
+    by_shared = shared_memory_per_sm // (shared + SHARED_MEMORY_RESERVED_PER_PROGRAM)
+    return max(1, min(programs_per_sm_by_registers(registers, num_warps), by_shared,
+                      MAX_PROGRAMS_PER_SM))
 
 
 def splits_for_full_waves(shape: ProblemShape, config: KernelConfig, base_programs: int, num_sms: int,
@@ -476,12 +565,14 @@ def splits_for_full_waves(shape: ProblemShape, config: KernelConfig, base_progra
     at S=2; at L=1k (16 tiles) S=2 was slower than S=1 (B=128: 149 vs 138 us), hence the tile
     floor (docs/perf-notes.md).
     """
-    wave = resident_programs_per_sm(config, shape, shared_memory_per_sm) * max(1, num_sms)
+    waves_of = {  # programs in one wave: one split (direct output) and more
+        one: resident_programs_per_sm(config, shape, shared_memory_per_sm, one_split=one)
+        * max(1, num_sms) for one in (True, False)}
     mean_tiles = shape.max_kv_len / max(1.0, shape.kv_len_spread) / config.block_n
     max_splits = max(1, int(mean_tiles // MULTIWAVE_MIN_TILES_PER_SPLIT))
     splits = 1
     while splits < max_splits:
-        waves = base_programs * splits / wave
+        waves = base_programs * splits / waves_of[splits == 1]
         if waves >= FULL_WAVES or waves - (math.ceil(waves) - 1) >= MIN_LAST_WAVE_FILL:
             break
         splits += 1
@@ -513,7 +604,8 @@ def scale_splits_to_raggedness(
 ) -> tuple[KernelConfig, tuple[str, ...]]:
     """More splits for a ragged batch (fixed lengths, longest / mean = shape.kv_len_spread > 1.1).
 
-    One wave (every program resident at once; ``resident_programs_per_sm`` of this config): the
+    One wave (every program resident at once; ``resident_programs_per_sm`` of this config with
+    more than one split): the
     kernel lasts as long as the longest request's split (longest / S tokens) while the bytes are
     those of the mean length, so num_kv_splits grows by the spread, at most 4x, while the programs
     stay within one wave, and not below RAGGED_MIN_TILES_PER_SPLIT tiles a split (H200, B=2 L=3k
@@ -521,16 +613,18 @@ def scale_splits_to_raggedness(
     H200 held-out ragged shapes (lengths uniform in [L/2, L]) ran best with ~1.3x the
     equal-length split count (docs/perf-notes.md). Programs that would pass one wave but make
     fewer than FULL_WAVES waves step to FULL_WAVES waves, where finishing programs make room for
-    the rest, if each split keeps MULTIWAVE_MIN_TILES_PER_SPLIT tiles of the mean request (H200,
-    B=64 L=16k ragged, 64-token tiles at 4 warps, one run: 792.6 us at 1 split (0.78 waves), 761.4
-    at 4 (3.1), 751.6 at 6 (4.7); 2 splits (1.55 waves) were slower than 1 in another run); else,
+    the rest, if each split keeps RAGGED_MULTIWAVE_MIN_TOKENS_PER_SPLIT tokens of the mean request
+    (H200, B=64 L=16k ragged, 64-token tiles at 4 warps, one run: 792.6 us at 1 split (0.78
+    waves), 761.4 at 4 (3.1), 751.6 at 6 (4.7); 2 splits (1.55 waves) were slower than 1 in another
+    run; one split of 16-token tiles at B=200 L=1.5k ragged 0.96x the step's 4 splits); else,
     and from FULL_WAVES waves on, no change.
     """
     factor = min(shape.kv_len_spread, MAX_RAGGED_SPLIT_FACTOR)
     if factor < 1.1:
         return config, ()
     base = shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // config.block_m)
-    wave = resident_programs_per_sm(config, shape, shared_memory_per_sm) * max(1, num_sms)
+    wave = resident_programs_per_sm(config, shape, shared_memory_per_sm,
+                                    one_split=False) * max(1, num_sms)
     programs = base * config.num_kv_splits
     if programs * factor <= wave:
         # Splits of fewer than RAGGED_MIN_TILES_PER_SPLIT tiles are dominated by each program's
@@ -538,13 +632,16 @@ def scale_splits_to_raggedness(
         tiles = num_kv_tiles(shape.max_kv_len, config.block_n)
         splits = min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * factor),
                      max(config.num_kv_splits, tiles // RAGGED_MIN_TILES_PER_SPLIT))
-        why = "in one wave of programs"
+        why = ("in one wave of programs" if base * splits <= wave else
+               f"the spread rounded: {base * splits / wave:.2f} waves of {wave} programs")
     elif programs < FULL_WAVES * wave:
-        mean_tiles = shape.max_kv_len / shape.kv_len_spread / config.block_n
+        mean_tokens = shape.max_kv_len / shape.kv_len_spread
         splits = min(MAX_NUM_KV_SPLITS, -(-FULL_WAVES * wave // base))
-        if mean_tiles / splits < MULTIWAVE_MIN_TILES_PER_SPLIT:
+        if mean_tokens / splits < RAGGED_MULTIWAVE_MIN_TOKENS_PER_SPLIT:
             return config, ()
-        why = f"in {base * splits / wave:.1f} waves of {wave} programs instead of {programs / wave:.2f}"
+        own_wave = resident_programs_per_sm(config, shape, shared_memory_per_sm) * max(1, num_sms)
+        why = (f"in {base * splits / wave:.1f} waves of {wave} programs instead of "
+               f"{programs / own_wave:.2f} of {own_wave}")
     else:
         return config, ()
     if splits == config.num_kv_splits:
