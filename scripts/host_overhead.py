@@ -30,6 +30,11 @@ Rows:
   plan's compile step        DecodeLaunch.compile alone (plan's last step, no device work), with
                              the kernels plans share ("shared") or forgotten first ("warmup")
   one-shot op                batch_decode_with_paged_kv_cache(q, cache, ..., out=out)
+  metadata read, kernel      plan's read of the lengths and page-ID range (api._plan_host_values:
+                             one triton kernel, launched directly, and the device-to-host copy) at
+                             B=1 L=64, B=32 L=8k and B=256 L=4k (P=16, fixed lengths)
+  metadata read, torch ops   the same read as the tree before the kernel did it (8 device
+                             operations, ``_torch_ops_metadata`` below), in the same call
 
 Rows that need the plan's launcher are left out when the script runs against an older tree
 (copy it into that tree's scripts/ folder and run it from there).
@@ -96,6 +101,47 @@ def _planned(num_kv_splits: int):
     w = tsdecode.BatchDecodePagedTSWrapper()
     w.plan(*plan_args, **plan_kw)
     return w, q, cache, torch.empty_like(q)
+
+
+def _torch_ops_metadata(block_tables, seq_lens, qo_indptr, page_size, max_kv_len, bind_seq_lens):
+    """The plan's metadata read as torch operations (the tree before plan_metadata.py), timed
+    beside the kernel."""
+    cols = block_tables.shape[1]
+    if bind_seq_lens:
+        if max_kv_len is None:
+            pages = (seq_lens.max() + (page_size - 1)) // page_size
+        else:
+            pages = -(-min(max_kv_len, cols * page_size) // page_size)
+        live = torch.arange(cols, device=block_tables.device) < pages
+    else:
+        pages_per_row = (seq_lens + (page_size - 1)) // page_size
+        live = torch.arange(cols, device=block_tables.device)[None, :] < pages_per_row[:, None]
+    lo, hi = torch.aminmax(torch.where(live, block_tables, block_tables[:, :1]))
+    parts = [seq_lens, lo.reshape(1), hi.reshape(1)]
+    if qo_indptr is not None:
+        parts.append(qo_indptr)
+    host = torch.cat(parts).tolist()
+    batch = seq_lens.shape[0]
+    return host[:batch], host[batch + 2:] if qo_indptr is not None else None, host[batch], host[batch + 1]
+
+
+def _metadata_rows(n: int, r: int) -> list:
+    """Host time of the plan's metadata read, kernel vs torch ops, interleaved per shape."""
+    read = getattr(api_module, "_plan_host_values", None)
+    if read is None:
+        return []
+    rows = []
+    for batch, kv_len in ((1, 64), (32, 8192), (256, 4096)):
+        pages = kv_len // 16
+        perm = torch.randperm(batch * pages, device="cuda").to(torch.int32)
+        block_tables = perm.reshape(batch, pages)
+        seq_lens = torch.full((batch,), kv_len, device="cuda", dtype=torch.int32)
+        args = (block_tables, seq_lens, None, 16, None, False)
+        assert read(*args) == _torch_ops_metadata(*args), "kernel and torch ops disagree"
+        for name, fn in (("kernel", read), ("torch ops", _torch_ops_metadata)):
+            rows.append((f"metadata read, {name} (B={batch} L={kv_len})",
+                         _host_us(lambda fn=fn: fn(*args), max(20, n // 10), r)))
+    return rows
 
 
 def main() -> None:
@@ -191,6 +237,7 @@ def main() -> None:
         launch()
         torch.cuda.synchronize()
         assert torch.equal(ref, out), "launch_decode and run disagree"  # the rows timed one op
+    rows += _metadata_rows(n, r)
     width = max(len(name) for name, _ in rows)
     for name, (median, least) in rows:
         print(f"  {name:<{width}}  {median:7.2f} us" + (f" ({least:7.2f})" if least is not None else ""))

@@ -19,6 +19,7 @@ import torch
 from . import validation as V
 from .configs import KernelConfig, ProblemShape, SelectedConfig, select_config
 from .kernels.decode import DecodeLaunch, LaunchGeometry, allocate_scratch, interpreter_active
+from .kernels.plan_metadata import read_plan_metadata
 
 __all__ = ["batch_decode_with_paged_kv_cache", "BatchDecodePagedTSWrapper"]
 
@@ -49,32 +50,17 @@ def _plan_host_values(
 ) -> tuple[list[int], list[int] | None, int, int]:
     """One device-to-host read: (seq_lens, qo_indptr, min page ID, max page ID).
 
-    Page IDs are reduced on the device over the columns the plan covers: each row's live pages,
-    or the first ceil(max_kv_len / P) columns when lengths are bound. The min and max are only
-    meaningful when every length is in [1, C*P] (the caller checks the lengths first).
+    Page IDs are reduced on the device (one kernel, ``read_plan_metadata``) over the columns the
+    plan covers: each row's live pages, or the first ceil(max_kv_len / P) columns when lengths are
+    bound. The min and max are only meaningful when every length is in [1, C*P] (the caller
+    checks the lengths first).
     """
-    cols = block_tables.shape[1]
-    if bind_seq_lens:
-        if max_kv_len is None:
-            pages = (seq_lens.max() + (page_size - 1)) // page_size  # a 0-d tensor
-        else:
-            pages = -(-min(max_kv_len, cols * page_size) // page_size)
-        live = torch.arange(cols, device=block_tables.device) < pages  # [C], every row
-    else:
-        pages_per_row = (seq_lens + (page_size - 1)) // page_size
-        live = torch.arange(cols, device=block_tables.device)[None, :] < pages_per_row[:, None]
-    # Column 0 is live in every row of a valid length, so a dead entry can take its row's first
-    # entry without changing the min or max (int32 throughout, like the table itself).
-    lo, hi = torch.aminmax(torch.where(live, block_tables, block_tables[:, :1]))
-    parts = [seq_lens, lo.reshape(1), hi.reshape(1)]
-    if qo_indptr is not None:
-        parts.append(qo_indptr)
-    host = torch.cat(parts).tolist()  # the plan's single host sync
-    batch = seq_lens.shape[0]
-    lens_host = host[:batch]
-    min_id, max_id = host[batch], host[batch + 1]
-    indptr_host = host[batch + 2 :] if qo_indptr is not None else None
-    return lens_host, indptr_host, min_id, max_id
+    covered_cols = None
+    if bind_seq_lens and max_kv_len is not None:
+        covered_cols = -(-min(max_kv_len, block_tables.shape[1] * page_size) // page_size)
+    with _on_device(block_tables.device):  # triton launches on the current GPU
+        return read_plan_metadata(block_tables, seq_lens, qo_indptr, page_size, covered_cols,
+                                  bind_seq_lens)
 
 
 class BatchDecodePagedTSWrapper:
