@@ -988,12 +988,40 @@ def test_heuristic_fp8_caches_take_lean_programs_at_about_46_per_sm():
     c = config(128, 8192)  # 1024 programs: round(46 * 132 / 1024) = 6 splits
     assert (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits) == (16, 1, 5, 6)
     assert config(256, 8192).num_kv_splits == 3
-    assert config(128, 4096).num_kv_splits == 4  # capped at L / 1024
+    assert config(128, 6144).num_kv_splits == 6  # past 4k: the wave model does not apply
+    assert config(128, 5120).num_kv_splits == 5  # capped at L / 1024
     assert config(32, 8192, num_qo_heads=32, num_kv_heads=32).num_kv_splits == 6
     assert config(128, 8192, num_qo_heads=32, num_kv_heads=32).num_kv_splits == 1
     assert config(128, 8192, head_dim=64).block_n == 32
     assert config(128, 8192, kv=torch.bfloat16).num_warps == 4  # the 16-bit large-batch rule
     assert config(8, 8192).num_kv_splits == 16  # 64 programs (< 4 per SM): not this rule
+
+
+def test_heuristic_fp8_up_to_4k_mends_a_mostly_empty_last_wave():
+    """fp8 cache, >= 4 B*Hkv programs per SM, K/V up to 4096 tokens: where the ~46-a-SM rule's
+    count passes one wave of 12 a SM (1584 programs on 132 SMs) with a last wave under 60% full,
+    the count of 1 up to it whose waves are fullest, a wave under 60% full counted as 60%, each
+    split past the first 3% dearer (H200 A/B of 2026-12-01: one split at 0.65 of a wave beat two
+    at 1.29 waves by 1.23x); elsewhere the rule's count."""
+    from tsdecode.configs import heuristic_config
+
+    def splits(b, n, **kw):
+        shape = make_shape(batch_size=b, kv_len=n, kv_dtype=torch.float8_e4m3fn, **kw)
+        return heuristic_config(shape, 132).num_kv_splits
+
+    assert splits(128, 2048) == 1  # the rule's 2 splits: 1.29 waves; 1 split: one wave 65% full
+    assert splits(128, 4096) == 1  # the rule's 4: 2.59 waves (last 59% full)
+    assert splits(112, 2048, num_qo_heads=64, num_kv_heads=8) == 1  # G=8: 896 programs
+    assert splits(32, 4096, num_qo_heads=32, num_kv_heads=32) == 1  # MHA: 1024 programs
+    assert splits(256, 2048) == 2  # 1 split: 1.29 waves; 2: 2.59, the lowest cost
+    assert splits(224, 4096) == 3  # 1792 programs: 1.13, 2.26, 3.39 waves; 3 the lowest cost
+    # The rule's count where its last wave is at least 60% full or it fits one wave.
+    assert splits(192, 3072) == 3  # 2.91 waves
+    assert splits(256, 4096) == 3  # 3.88 waves
+    assert splits(96, 2048) == 2  # 1536 programs: one wave
+    assert splits(40, 2048, num_qo_heads=32, num_kv_heads=32) == 2  # 2560: 1.62 waves
+    assert splits(512, 2048) == 1
+    assert splits(128, 4097) == 4  # past 4k: the ~46 rule capped at L / 1024
 
 
 def test_heuristic_fp8_caches_below_4_programs_per_sm_take_lean_programs_at_about_8_per_sm():
@@ -1233,8 +1261,9 @@ def test_heuristic_batch_lean_takes_one_split_of_lean_tiles_in_whole_waves():
     # long-K/V rule.
     assert knobs(config(128, 4097)) == (64, 4, 2, 3)
     assert knobs(config(128, 8192)) == (32, 4, 2, 2)
-    # fp8 caches keep their rules: ~46 per SM capped at L / 1024 from 4 per SM, ~8 per SM below.
-    assert knobs(config(128, 4096, kv_dtype=torch.float8_e4m3fn)) == (16, 1, 5, 4)
+    # fp8 caches keep their rules: ~46 per SM capped at L / 1024 (up to 4k, a mostly empty last
+    # wave mended) from 4 per SM, ~8 per SM below.
+    assert knobs(config(128, 4096, kv_dtype=torch.float8_e4m3fn)) == (16, 1, 5, 1)
     assert knobs(config(60, 4096, kv_dtype=torch.float8_e4m3fn)) == (16, 1, 5, 2)  # 480 programs
     # 17-32 rows (block_m 32) where a split walks <= 4 tiles, and 64 rows: the previous tiles;
     # 16 rows at the same shape take this rule.
@@ -1266,8 +1295,8 @@ def test_heuristic_batch_lean_takes_one_split_of_lean_tiles_in_whole_waves():
 def test_heuristic_batch_lean_at_d64_goes_past_8_per_sm_and_past_4k_tokens():
     """D <= 64: the batch-lean tiles up to as many B*Hkv programs as fit an SM at once (20 on an
     H200: shared memory) with one split up to 4096 tokens; past it up to 8 per SM, with
-    ceil(8 * SMs / programs) splits capped at what fits an SM. D=128 keeps the 4096-token bound
-    and its own wave rule."""
+    ceil(8 * SMs / programs) splits capped at what fits an SM, and one split from there up to one
+    wave. D=128 keeps the 4096-token bound and its own wave rule."""
     from tsdecode.configs import heuristic_config
 
     def knobs(b, n, **kw):
@@ -1284,9 +1313,11 @@ def test_heuristic_batch_lean_at_d64_goes_past_8_per_sm_and_past_4k_tokens():
     assert knobs(132, 32768, **d64) == (16, 1, 5, 1)  # 1056: exactly 8 per SM
     assert knobs(200, 6144, num_qo_heads=14, num_kv_heads=2, **d64) == (16, 1, 5, 3)  # 400
     assert knobs(64, 8192)[1] == 4  # D=128 past 4k: the previous rules (4 warps)
-    # Past 4k: at most 8 per SM (nothing measured beyond), then the previous rules.
-    assert knobs(133, 8192, **d64)[:2] == (32, 4)  # 1064 programs
-    assert knobs(200, 32768, **d64)[:2] == (32, 4)
+    # Past 4k and past 8 per SM: one split up to one wave (20 a SM), then the previous rules.
+    assert knobs(133, 8192, **d64) == (16, 1, 5, 1)  # 1064 programs
+    assert knobs(200, 32768, **d64) == (16, 1, 5, 1)  # 1600
+    assert knobs(330, 8192, **d64) == (16, 1, 5, 1)  # 2640 = 20 * 132
+    assert knobs(331, 8192, **d64)[:2] == (32, 4)  # 2648: past one wave
     # ... and the splits never take the programs past what fits an SM at once: 80 KiB a SM
     # fits 7 (924 on 132 SMs), 400 base programs take 2 splits, not ceil(1056 / 400) = 3.
     c = heuristic_config(make_shape(batch_size=50, kv_len=4097, **d64), 132, 80 * 1024)

@@ -46,12 +46,20 @@ LEAN_SMALL_HEAD_DIM = 64
 # tokens (16-bit cache, up to 16 rows, D <= 128): one split of 16-token tiles, 1 warp, 5 stages,
 # where the programs fit one wave (all resident at once) or, at D > LEAN_SMALL_HEAD_DIM, up to
 # BATCH_LEAN_MAX_WAVES waves whose last is at least BATCH_LEAN_MIN_LAST_WAVE_FILL full. At head
-# dims up to LEAN_SMALL_HEAD_DIM past BATCH_LEAN_MAX_KV_LEN, up to BATCH_LEAN_MAX_PROGRAMS_PER_SM
-# with splits for at least LEAN_PROGRAMS_PER_SM programs per SM (no more than fit an SM).
-BATCH_LEAN_MAX_PROGRAMS_PER_SM = 8
+# dims up to LEAN_SMALL_HEAD_DIM past BATCH_LEAN_MAX_KV_LEN, in one wave too: up to
+# BATCH_LEAN_SPLIT_MAX_PROGRAMS_PER_SM with splits for at least LEAN_PROGRAMS_PER_SM programs per
+# SM (no more than fit an SM), one split above.
+BATCH_LEAN_SPLIT_MAX_PROGRAMS_PER_SM = 8
 BATCH_LEAN_MAX_WAVES = 4
 BATCH_LEAN_MIN_LAST_WAVE_FILL = 0.875
 BATCH_LEAN_MAX_KV_LEN = 4096
+# fp8 caches from 4 B*Hkv programs per SM with K/V of at most BATCH_LEAN_MAX_KV_LEN tokens
+# (``_fp8_wave_splits``): where the ~46-a-SM rule's split count leaves a last wave of lean programs
+# under FP8_WAVE_SATURATION of what fits the SMs at once, the count that fills its waves best, a
+# wave filled to less than that counted as that full (7 of the 12 that fit an H200 SM keep DRAM
+# busy) and each split past the first FP8_SPLIT_COST dearer (H200 A/B, 2026-12-01).
+FP8_WAVE_SATURATION = 0.6
+FP8_SPLIT_COST = 0.03
 # 17-32 query rows a KV head (block_m = 32), 16-bit cache: 1-warp programs of 16-token tiles with
 # 5 stages where each split walks more than the 4 tiles such a pipeline holds in flight.
 WIDE_ROWS_BLOCK_M = 32
@@ -273,15 +281,17 @@ def heuristic_config(
     and about 8 per SM at any row count. From 3 B*Hkv programs per SM with K/V of at most 4k
     tokens (same cache, rows and D): one split of 16-token tiles, 1 warp, 5 stages, in one wave
     (8 a SM at D = 128 on an H200, 20 at D = 64) or at D = 128 in up to 4 waves whose last is at
-    least 7/8 full; at D <= 64 past 4k tokens up to 8 per SM with splits for about 8 per SM
-    (``_batch_lean_splits``).
+    least 7/8 full; at D <= 64 past 4k tokens in one wave too, with splits for about 8 per SM up
+    to 8 B*Hkv programs per SM and one split above (``_batch_lean_splits``).
     Otherwise splits fill about 4 programs per SM when B*Hkv programs cannot, down to one
     64-token tile per split; at large batch with long K/V, a few splits of narrower tiles
     (block_n=32) still help (shorter dependent chains, better tail balance); at large batch
     with shorter K/V, splits only where they fill a mostly empty last wave
     (``splits_for_full_waves``). fp8 caches: lean programs with 5 stages (two K/V
     tiles in flight per program), splits for about 8 per SM below 4 B*Hkv programs per SM (16
-    rows or fewer, D <= 128) and for about 46 per SM from 4 B*Hkv programs per SM. The ~8 per SM
+    rows or fewer, D <= 128) and for about 46 per SM from 4 B*Hkv programs per SM, at most one a
+    1k tokens, up to 4k tokens fewer where that count leaves a mostly empty last wave
+    (``_fp8_wave_splits``). The ~8 per SM
     of both lean rules are capped at what fits an SM at once (``resident_programs_per_sm``:
     measured registers and shared memory per config, with this GPU's shared memory: 7 of the
     16-bit lean programs at D = 128 on GPUs with 100 KiB a SM), so they never spill a few
@@ -351,6 +361,11 @@ def heuristic_config(
         # one): 1.05-1.17x faster than 3 on all six fp8 target shapes ("Sixth lease").
         block_n, num_warps, num_stages = max(16, 2048 // shape.block_d), 1, 5
         num_kv_splits = max(1, min(round(46 * num_sms / base_programs), shape.max_kv_len // 1024))
+        if shape.max_kv_len <= BATCH_LEAN_MAX_KV_LEN:
+            num_kv_splits = _fp8_wave_splits(
+                shape, KernelConfig(block_n=block_n, block_m=block_m, num_warps=num_warps,
+                                    num_stages=num_stages),
+                base_programs, num_kv_splits, num_sms, shared_memory_per_sm)
     elif shape.max_kv_len >= 8192:
         block_n = 32
         num_kv_splits = min(8, shape.max_kv_len // 4096)
@@ -398,8 +413,9 @@ def _batch_lean_splits(shape: ProblemShape, base_programs: int, block_m: int, nu
     BATCH_LEAN_MAX_KV_LEN tokens one split where the programs fit one wave (a wave: what fits the
     SMs at once, ``resident_programs_per_sm``; 8 a SM at D = 128 on an H200, 20 at D = 64) or, at
     D > 64, 2 to BATCH_LEAN_MAX_WAVES waves with the last at least BATCH_LEAN_MIN_LAST_WAVE_FILL
-    full; at D <= 64 past BATCH_LEAN_MAX_KV_LEN, at most BATCH_LEAN_MAX_PROGRAMS_PER_SM per SM with
-    splits for at least LEAN_PROGRAMS_PER_SM programs per SM, as many as fit.
+    full; at D <= 64 past BATCH_LEAN_MAX_KV_LEN, in one wave too: at most
+    BATCH_LEAN_SPLIT_MAX_PROGRAMS_PER_SM per SM with splits for at least LEAN_PROGRAMS_PER_SM
+    programs per SM, as many as fit, one split above.
 
     H200, same runs, shapes off the tuning grid (reports/nvidia-h200/2026-11-30/
     ab_large_lean.txt, ab_rule_validation.txt, ab_wave_lean.txt, ab_d64_batch.txt,
@@ -409,7 +425,10 @@ def _batch_lean_splits(shape: ProblemShape, base_programs: int, block_m: int, nu
     wave, by the last wave's fill: 0.88-1.00 full, 0.91-0.99x at 11 of 11 (up to 4 waves); 0.45-0.82
     full, 0.99-1.01x; 0.09-0.33 full, 1.03-1.18x. D = 64 past one wave: 0.99-1.00x at 0.88-1.00
     full, 1.13x at 0.55 (not taken). D = 64 past 4k: 0.77-0.90x with 2-4 splits at 3.0-5.8 per SM
-    and 0.83x with one or two at 6.8 (nothing measured past 8 per SM).
+    and 0.83x with one or two at 6.8; one split at 8.7-18.2 per SM, 0.81-0.99x the previous rule
+    (32- or 64-token tiles at 4 warps) at all 11 shapes (4.6-32k tokens, G = 2-8, two ragged), and
+    1.01x at 31 per SM, past one wave (not taken; reports/nvidia-h200/2026-12-01/
+    ab_d64_past_4k_wide.txt, ab_d64_one_wave_validation.txt).
     """
     if (shape.kv_dtype not in (torch.float16, torch.bfloat16) or shape.head_dim > 128
             or block_m != DOT_MIN_BLOCK_M):
@@ -419,10 +438,9 @@ def _batch_lean_splits(shape: ProblemShape, base_programs: int, block_m: int, nu
     if shape.block_d <= LEAN_SMALL_HEAD_DIM:
         if base_programs > wave:
             return None
-        if shape.max_kv_len <= BATCH_LEAN_MAX_KV_LEN:
+        if (shape.max_kv_len <= BATCH_LEAN_MAX_KV_LEN
+                or base_programs > BATCH_LEAN_SPLIT_MAX_PROGRAMS_PER_SM * max(1, num_sms)):
             return 1
-        if base_programs > BATCH_LEAN_MAX_PROGRAMS_PER_SM * max(1, num_sms):
-            return None
         splits = -(-LEAN_PROGRAMS_PER_SM * max(1, num_sms) // base_programs)
         split_wave = resident_programs_per_sm(lean, shape, shared_memory_per_sm,
                                               one_split=False) * max(1, num_sms)
@@ -434,6 +452,45 @@ def _batch_lean_splits(shape: ProblemShape, base_programs: int, block_m: int, nu
                       and waves - (math.ceil(waves) - 1) >= BATCH_LEAN_MIN_LAST_WAVE_FILL):
         return 1
     return None
+
+
+def _fp8_wave_splits(shape: ProblemShape, config: KernelConfig, base_programs: int, most: int,
+                     num_sms: int, shared_memory_per_sm: int) -> int:
+    """Splits for fp8 lean programs of K/V up to BATCH_LEAN_MAX_KV_LEN tokens: ``most`` (the
+    ~46-a-SM rule's count, capped at one split a 1k tokens) unless its programs pass one wave
+    (``resident_programs_per_sm`` x SMs) with a last wave under FP8_WAVE_SATURATION full; then the
+    count in [1, most] of lowest cost in this model: a wave takes as long as a full one down to
+    FP8_WAVE_SATURATION of it (fewer programs do not keep DRAM busy), so S splits cost (waves S
+    starts, each counted at least that full) / (S * base_programs / wave) of the ideal, and every
+    split past the first FP8_SPLIT_COST more (its partials and the merge); ties go to fewer splits.
+
+    H200, three same-run A/Bs (reports/nvidia-h200/2026-12-01/ab_fp8_split_cap.txt,
+    ab_fp8_wave_rule_validation.txt, and ab_fp8_wave_rule_check.txt on shapes neither used): at
+    the 16 shapes where the model changes the rule's count (one split at 0.57-0.89 of a wave, or 2
+    instead of 3 splits, against 2-4 splits at 1.13-3.56 waves; 4 ragged) it ran 0.78-1.03x the
+    rule's time, geomean 0.91, 15 of 16 at or under 1.006x (B=150 L=4k 1.03x, where 2-3 splits ran
+    0.97x). Where the rule's waves were full enough, fewer splits gained at equal lengths
+    (0.92-0.99x) but lost at ragged ones (1.03-1.05x), so those keep the rule.
+    """
+    def waves(splits: int) -> float:
+        resident = resident_programs_per_sm(dataclasses.replace(config, num_kv_splits=splits), shape,
+                                            shared_memory_per_sm)
+        return base_programs * splits / (resident * max(1, num_sms))
+
+    def last_wave(w: float) -> float:
+        return w - math.ceil(w) + 1
+
+    w = waves(most)
+    if w <= 1 or last_wave(w) >= FP8_WAVE_SATURATION:
+        return most
+    best, best_cost = most, float("inf")
+    for splits in range(1, most + 1):
+        w = waves(splits)
+        started = math.ceil(w) - 1 + max(last_wave(w), FP8_WAVE_SATURATION)
+        cost = started / w * (1.0 + FP8_SPLIT_COST * (splits - 1))
+        if cost < best_cost - 1e-9:
+            best, best_cost = splits, cost
+    return best
 
 
 def _lean_splits(shape: ProblemShape, block_n: int, num_stages: int, base_programs: int,
