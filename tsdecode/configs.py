@@ -465,7 +465,8 @@ def _fp8_wave_splits(shape: ProblemShape, config: KernelConfig, base_programs: i
     split past the first FP8_SPLIT_COST more (its partials and the merge); ties go to fewer splits.
 
     H200, three same-run A/Bs (reports/nvidia-h200/2026-12-01/ab_fp8_split_cap.txt,
-    ab_fp8_wave_rule_validation.txt, and ab_fp8_wave_rule_check.txt on shapes neither used): at
+    ab_fp8_wave_rule_validation.txt, and ab_fp8_wave_rule_check.txt on shapes neither used;
+    scripts/ab_fp8_split_cap.sh, ab_wave_rules_validation.sh): at
     the 16 shapes where the model changes the rule's count (one split at 0.57-0.89 of a wave, or 2
     instead of 3 splits, against 2-4 splits at 1.13-3.56 waves; 4 ragged) it ran 0.78-1.03x the
     rule's time, geomean 0.91, 15 of 16 at or under 1.006x (B=150 L=4k 1.03x, where 2-3 splits ran
