@@ -201,6 +201,24 @@ def test_oneshot_refuses_capture():
                 tsdecode.batch_decode_with_paged_kv_cache(inp.q, inp.cache, inp.block_tables, inp.seq_lens)
 
 
+def test_plan_refuses_capture_and_keeps_its_plan():
+    """plan() reads metadata on the host: during a capture it raises (before launching anything
+    into the graph), and the wrapper's previous plan still runs and matches the reference."""
+    case = Case(lens=(10, 20))
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="CUDA graph capture"):
+            with torch.cuda.graph(g):
+                w.plan(inp.block_tables, inp.seq_lens, case.num_qo_heads, case.num_kv_heads,
+                       case.head_dim, case.page_size, q_data_type=case.dtype)
+    out = poisoned_out(case, inp)
+    w.run(inp.q, inp.cache, out=out)
+    check(case, out, reference(case, inp))
+
+
 def _compiled_kernel_count() -> int:
     from tsdecode.kernels import decode
 

@@ -249,6 +249,14 @@ def _make_plan(
     device = block_tables.device
     V.validate_execution_device(device, interpreter_active())
     if device.type == "cuda":
+        with _on_device(device):
+            capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            raise RuntimeError(
+                "BatchDecodePagedTSWrapper.plan reads seq_lens_kv and the page IDs on the host and "
+                "cannot run during CUDA graph capture; plan before the capture and capture run()"
+            )
+    if device.type == "cuda":
         V.validate_dtypes_on_gpu(torch.cuda.get_device_capability(device), q_dtype, kv_dtype, o_dtype)
     batch, cols = block_tables.shape
     packed, sq_cap = V.resolve_query_mode(seq_len_q, qo_indptr, max_seq_len_q)
