@@ -1,4 +1,11 @@
-"""Random decode problems with every layout feature, and the check against the reference."""
+"""Random decode problems with every layout feature, and the check against the reference.
+
+A ``Case`` describes one problem; ``build`` makes its tensors (a paged cache with pages in random
+order, a block table whose rows are padded and hold garbage or -1 past each request's live
+pages, lengths, packed offsets); ``plan_wrapper`` / ``run_wrapper`` call the wrapper in
+FlashInfer's call form, ``run_oneshot`` the one-shot op; ``check`` compares an output with the
+float64 reference.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +23,13 @@ FP8 = torch.float8_e4m3fn
 
 @dataclass
 class Case:
-    """One problem. lens: K/V lengths; q_lens: packed query lengths (mode 'packed')."""
+    """One problem. lens: K/V lengths; q_lens: packed query lengths (mode 'packed').
+
+    lengths: who owns the K/V lengths in the wrapper, "plan" (host values given to plan, run
+    passes seq_lens=None) or "run" (a device tensor passed to every run). max_kv_len: the plan's
+    K/V capacity (default: the longest length). seq_len_q: the fixed query length; in packed
+    mode, when larger than every q_len, the plan's query capacity (max_seq_len_q).
+    """
 
     lens: tuple[int, ...] = (1, 17, 40)
     num_qo_heads: int = 8
@@ -34,15 +47,32 @@ class Case:
     separate: bool = False
     page_stride_pad: int = 0  # extra elements between pages
     table_pad: int = 0  # extra columns between block-table rows
-    extra_cols: int = 1  # unused columns (filled with garbage) at the end of each row
+    extra_cols: int = 1  # unused columns at the end of each row (garbage, or pad_value)
+    pad_value: int | None = None  # what fills each row past its live pages (None: random garbage)
     shared_pages: bool = False  # requests share their first page
     bmm1_scale: float | None = None
     bmm2_scale: float = 1.0
     seed: int = 0
     config: tsdecode.KernelConfig | None = None
+    lengths: str = "plan"  # plan | run
+    max_kv_len: int | None = None
 
     def __post_init__(self):
         self.kv_dtype = self.kv_dtype or self.dtype
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lens)
+
+    @property
+    def max_seq_len_q(self) -> int:
+        if self.mode == "packed":
+            return max(self.seq_len_q, *self.q_lens)
+        return self.seq_len_q
+
+    @property
+    def capacity(self) -> int:
+        return self.max_kv_len or max(self.lens)
 
 
 @dataclass
@@ -78,6 +108,8 @@ def build(case: Case, device=DEVICE) -> Inputs:
         cache = combined
     perm = torch.randperm(num_pages, generator=gen).tolist()
     table = torch.randint(0, 2**30, (B, cols + case.table_pad), generator=gen, dtype=torch.int32)
+    if case.pad_value is not None:
+        table.fill_(case.pad_value)
     at = 0
     for b, n in enumerate(pages_per_req):
         ids = perm[at : at + n]
@@ -117,24 +149,43 @@ def reference(case: Case, inp: Inputs) -> torch.Tensor:
     )
 
 
-def run_oneshot(case: Case, inp: Inputs, out: torch.Tensor | None = None) -> torch.Tensor:
+def run_oneshot(case: Case, inp: Inputs, out: torch.Tensor | None = None, **kw) -> torch.Tensor:
     return tsdecode.batch_decode_with_paged_kv_cache(
         inp.q, inp.cache, inp.block_tables, inp.seq_lens, seq_len_q=case.seq_len_q,
         qo_indptr=inp.qo_indptr, mask_type=case.mask_type, window_left=case.window_left,
         bmm1_scale=case.bmm1_scale, bmm2_scale=case.bmm2_scale, out=out,
-        out_dtype=None if out is not None else case.out_dtype,
+        out_dtype=None if out is not None else case.out_dtype, **kw,
     )
 
 
-def plan_wrapper(case: Case, inp: Inputs, **kw) -> tsdecode.BatchDecodePagedTSWrapper:
-    w = tsdecode.BatchDecodePagedTSWrapper()
-    w.plan(
-        inp.block_tables, inp.seq_lens, case.num_qo_heads, case.num_kv_heads, case.head_dim,
-        case.page_size, seq_len_q=case.seq_len_q, qo_indptr=inp.qo_indptr, q_data_type=case.dtype,
+def plan_wrapper(case: Case, inp: Inputs | None = None, wrapper: tsdecode.BatchDecodePagedTSWrapper | None = None,
+                 device=None, **kw) -> tsdecode.BatchDecodePagedTSWrapper:
+    """Plan ``wrapper`` (a new one by default) for ``case`` in FlashInfer's call form; with
+    ``case.lengths == "plan"`` the plan owns ``case.lens``. ``kw`` overrides plan arguments
+    (max_kv_len included)."""
+    w = wrapper or tsdecode.BatchDecodePagedTSWrapper()
+    if device is None:
+        device = inp.q.device if inp is not None else DEVICE
+    args = dict(
+        max_seq_len_q=case.max_seq_len_q, packed_query=case.mode == "packed", q_data_type=case.dtype,
         kv_data_type=case.kv_dtype, o_data_type=case.out_dtype, mask_type=case.mask_type,
-        window_left=case.window_left, config=case.config, **kw,
+        window_left=case.window_left, seq_lens=list(case.lens) if case.lengths == "plan" else None,
+        config=case.config,
     )
+    args.update(kw)
+    max_kv_len = args.pop("max_kv_len", case.capacity)
+    w.plan(device, case.batch_size, case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size,
+           max_kv_len, **args)
     return w
+
+
+def run_wrapper(w: tsdecode.BatchDecodePagedTSWrapper, case: Case, inp: Inputs, **kw) -> torch.Tensor:
+    """``w.run`` in FlashInfer's call form: lengths passed iff the plan does not own them, the block
+    table (and packed offsets) every run. ``kw``: out, validate, scales, or overrides."""
+    args = dict(qo_indptr=inp.qo_indptr, bmm1_scale=case.bmm1_scale, bmm2_scale=case.bmm2_scale)
+    args.update(kw)
+    seq_lens = None if case.lengths == "plan" else inp.seq_lens
+    return w.run(inp.q, inp.cache, seq_lens, inp.block_tables, **args)
 
 
 def poisoned_out(case: Case, inp: Inputs) -> torch.Tensor:
@@ -142,19 +193,25 @@ def poisoned_out(case: Case, inp: Inputs) -> torch.Tensor:
     return torch.full(inp.q.shape, float("nan"), dtype=torch.float32, device=inp.q.device).to(dtype)
 
 
-def check(case: Case, out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.shape == ref.shape, (out.shape, ref.shape)
+def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(relative L2 error, max abs error) of out against ref, in float64."""
     o = out.to(torch.float64).cpu()
     r = ref.to(torch.float64).cpu()
-    assert torch.isfinite(o).all(), "output has NaN/inf (unwritten or overflowed elements)"
-    rel = float((o - r).norm() / r.norm())
-    mx = float((o - r).abs().max())
+    return float((o - r).norm() / r.norm()), float((o - r).abs().max())
+
+
+def check(case: Case, out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out.to(torch.float64)).all(), "output has NaN/inf (unwritten or overflowed elements)"
+    rel, mx = errors(out, ref)
     rel_tol, abs_tol = tolerance(case)
     scale = max(1.0, abs(case.bmm2_scale))
     assert rel < rel_tol and mx < abs_tol * scale, f"rel err {rel:.3e} (tol {rel_tol}), max abs {mx:.3e}"
 
 
-def run_and_check(case: Case, via: str = "wrapper") -> tsdecode.BatchDecodePagedTSWrapper | None:
+def run_and_check(case: Case, via: str = "wrapper", validate: bool = True) -> tsdecode.BatchDecodePagedTSWrapper | None:
+    """Run ``case`` into a NaN-poisoned out (wrapper or one-shot) and check it against the
+    reference; return the wrapper."""
     inp = build(case)
     ref = reference(case, inp)
     out = poisoned_out(case, inp)
@@ -163,7 +220,7 @@ def run_and_check(case: Case, via: str = "wrapper") -> tsdecode.BatchDecodePaged
         result = run_oneshot(case, inp, out=out)
     else:
         w = plan_wrapper(case, inp)
-        result = w.run(inp.q, inp.cache, bmm1_scale=case.bmm1_scale, bmm2_scale=case.bmm2_scale, out=out)
+        result = run_wrapper(w, case, inp, out=out, validate=validate)
     assert result is out
     check(case, out, ref)
     return w

@@ -1,4 +1,5 @@
-"""The benchmark script's pure parts (its timings need a GPU; these do not)."""
+"""The benchmark scripts' helpers (suites, byte counts, explicit launch arguments, the probes'
+kernels, offline SASS counts) and tuner.measure's byte counts: timings need a GPU, these do not."""
 
 import os
 import sys
@@ -8,12 +9,20 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-import bench_decode  # noqa: E402
+from tsdecode import KernelConfig  # noqa: E402
 from tuner.grids import PRESETS, ShapeSpec  # noqa: E402
 from tuner.measure import bytes_moved, make_inputs  # noqa: E402
 
 
-def test_heldout_shapes_are_ragged_and_off_the_tuning_grid():
+@pytest.fixture
+def bench_decode():
+    """scripts/bench_decode.py (the suites and helpers other scripts import)."""
+    import bench_decode
+
+    return bench_decode
+
+
+def test_heldout_shapes_are_ragged_and_off_the_tuning_grid(bench_decode):
     grid_points = {(s.batch_size, s.kv_len) for s in PRESETS["llama3-8b"]}
     shapes = bench_decode.heldout_suite()
     assert len(shapes) == 10 and len({s.name for s in shapes}) == 10
@@ -22,7 +31,7 @@ def test_heldout_shapes_are_ragged_and_off_the_tuning_grid():
         assert (s.batch_size, s.kv_len) not in grid_points
 
 
-def test_set_bytes_counts_the_actual_ragged_lengths():
+def test_set_bytes_counts_the_actual_ragged_lengths(bench_decode):
     spec = bench_decode.heldout_suite()[1]  # B=2, L=3000, ragged
     inputs = make_inputs(spec, "cpu", copies=1, seed=2)[0]
     lens = inputs.seq_lens.tolist()
@@ -56,17 +65,103 @@ def test_sliding_window_bytes_count_the_visible_keys_and_copies_flush_l2_with_th
     assert len(q_lens) == 3 and sum(q_lens) == inputs.q.shape[0]
     assert kv_bytes(packed, inputs.seq_lens.tolist(), q_lens) == sum(
         min(n, q + 10) for n, q in zip(inputs.seq_lens.tolist(), q_lens)) * 2 * 2 * 64 * 2
-    assert bench_decode.set_bytes(packed, inputs) == bytes_moved(
-        packed, inputs.seq_lens.tolist(), inputs.q.shape[0], q_lens)
     # whole caches of all copies stay within the pool budget, however small the window
     huge = ShapeSpec(1, 1 << 20, num_qo_heads=32, num_kv_heads=8, mask_type="causal", window_left=4095)
     assert num_copies(huge) == POOL_BUDGET_BYTES // (2**20 * per_token) == 4
 
 
-def test_only_filter_takes_comma_separated_names():
+def test_set_bytes_of_packed_windowed_queries_counts_each_request_s_window(bench_decode):
+    from tuner.measure import input_q_lens
+
+    packed = ShapeSpec(3, 100, num_qo_heads=4, num_kv_heads=2, head_dim=64, seq_len_q=4, packed=True,
+                       mask_type="causal", window_left=10)
+    inputs = make_inputs(packed, "cpu", copies=1, seed=3)[0]
+    assert bench_decode.set_bytes(packed, inputs) == bytes_moved(
+        packed, inputs.seq_lens.tolist(), inputs.q.shape[0], input_q_lens(inputs))
+
+
+def test_make_inputs_pads_block_table_rows_to_a_multiple_of_16():
+    """The row stride a plan compiles for (so precompiled kernels are the ones launched); only
+    each request's live pages are distinct pages of the pool."""
+    spec = ShapeSpec(3, 70, num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=8, ragged=True)
+    sets = make_inputs(spec, "cpu", copies=2, seed=1)
+    pages = [-(-n // 8) for n in sets[0].seq_lens.tolist()]
+    live = []
+    for s in sets:
+        assert s.block_tables.shape == (3, 16) and s.block_tables.is_contiguous()
+        live += [int(p) for b, n in enumerate(pages) for p in s.block_tables[b, :n]]
+    assert len(set(live)) == len(live) == 2 * sum(pages) == s.cache.shape[0]
+
+
+def test_only_filter_takes_comma_separated_names(bench_decode):
     assert bench_decode.selected_by(None, "B8_L8192")
     assert bench_decode.selected_by("B1_,B8_L8192", "B8_L8192_H32x8")
     assert not bench_decode.selected_by("B1_,B32_", "B8_L8192_H32x8")
+
+
+def test_target_suites_are_what_the_tree_a_b_imports(bench_decode):
+    """scripts/ab_trees.py times bench_decode's target and held-out suites."""
+    targets = bench_decode.target_suite()
+    assert len(targets) > 30 and all(isinstance(t.spec, ShapeSpec) for t in targets)
+    assert {t.metric for t in targets} == {"pct_copy", "us", "rel_bw"}
+    assert sum(t.regime == "geometry base" for t in targets) == 1
+
+
+@pytest.mark.parametrize("launch", [{"transposed": False}, {"transposed": True}, {"pdl": False}])
+def test_relaunch_passes_explicit_launch_arguments_and_keeps_the_output(bench_decode, launch):
+    """An A/B's explicit launch arguments (product form, PDL) swap the plan's launcher and compute
+    the same attention."""
+    from tuner.measure import decode_call, plan_wrapper
+
+    spec = ShapeSpec(3, 70, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=8, kv_dtype="float8_e4m3fn",
+                     ragged=True)
+    s = make_inputs(spec, _device(), copies=1, seed=1)[0]
+    config = KernelConfig(block_n=16, block_m=16, num_kv_splits=3, num_warps=1, num_stages=2)
+    s.out.fill_(float("nan"))
+    decode_call(plan_wrapper(spec, s, config), s, validate=True)()
+    want = s.out.clone()
+    w = bench_decode.relaunch(plan_wrapper(spec, s, config), **launch)
+    if "transposed" in launch:  # (the launcher's constexprs are its own business: checked where present)
+        constexprs = getattr(w._plan.launch, "_split_constexprs", {})
+        assert constexprs.get("TRANSPOSED", launch["transposed"]) is launch["transposed"]
+    s.out.fill_(float("nan"))
+    decode_call(w, s, validate=True)()
+    torch.testing.assert_close(s.out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert bench_decode.check_correct(spec, s, config, launch=launch) < 6e-2
+
+
+def test_relaunch_refuses_the_transposed_form_without_tl_dot(bench_decode):
+    from tuner.measure import plan_wrapper
+
+    spec = ShapeSpec(2, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    s = make_inputs(spec, _device(), copies=1, seed=1)[0]
+    fma = KernelConfig(block_n=16, block_m=2, num_kv_splits=1, num_warps=1, num_stages=2)
+    with pytest.raises(ValueError, match="transposed"):
+        bench_decode.relaunch(plan_wrapper(spec, s, fma), transposed=True)
+
+
+def test_method_probe_split_pass_only_writes_partials_not_the_output(bench_decode):
+    import method_probe
+    from tuner.measure import decode_call, plan_wrapper
+
+    spec = ShapeSpec(2, 70, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    s = make_inputs(spec, _device(), copies=1, seed=1)[0]
+    config = KernelConfig(block_n=16, block_m=16, num_kv_splits=3, num_warps=1, num_stages=2)
+    w = bench_decode.relaunch(plan_wrapper(spec, s, config), method_probe.SplitPassOnly)
+    s.out.fill_(float("nan"))
+    decode_call(w, s)()
+    assert torch.isnan(s.out).all()
+
+
+def test_ab_configs_reads_shape_flags():
+    import ab_configs
+
+    spec = ab_configs.parse_shape("8:4096:32:8:r:fp8:d64:p32:q4")
+    assert (spec.batch_size, spec.kv_len, spec.num_qo_heads, spec.num_kv_heads) == (8, 4096, 32, 8)
+    assert spec.ragged and spec.kv_dtype == "float8_e4m3fn" and spec.q_dtype == "bfloat16"
+    assert (spec.head_dim, spec.page_size, spec.seq_len_q, spec.mask_type) == (64, 32, 4, "causal")
+    f16 = ab_configs.parse_shape("1:1024:8:8:f16")
+    assert (f16.q_dtype, f16.kv_dtype, f16.o_dtype, f16.page_size) == ("float16",) * 3 + (16,)
 
 
 def test_sass_count_compiles_for_sm90_without_a_gpu_and_compares_copies():
@@ -91,6 +186,23 @@ def test_sass_count_compiles_for_sm90_without_a_gpu_and_compares_copies():
     assert "SASS instructions" in out.stdout and "HMMA" in out.stdout
     for ir in ("ttir", "ttgir", "sass"):
         assert f"{ir}: identical" in out.stdout
+
+
+def test_sass_count_takes_the_page_size_and_a_forced_product_form():
+    import subprocess
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton has no bundled ptxas")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "sass_count.py"), "--kv-dtype", "fp8e4nv", "--block-n", "32",
+         "--warps", "1", "--stages", "2", "--splits", "1", "--page-size", "8", "--transposed"],
+        capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"), timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "P 8," in out.stdout and "transposed product form" in out.stdout and "SASS instructions" in out.stdout
 
 
 def _device() -> str:

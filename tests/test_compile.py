@@ -1,7 +1,8 @@
 """torch.compile: run() and the one-shot op trace as one opaque op each (fullgraph, no graph
-break), give the reference's results, follow re-plans without recompiling, and refuse what
-they cannot order (a plan's block table written inside the compiled region) instead of reading
-stale page IDs. CPU: the ops run the kernels in the interpreter; GPU: also inductor's CUDA graphs.
+break), give the reference's results, follow re-plans without recompiling, and take the block
+table, lengths and packed offsets as op inputs: new values or new tensors need no recompile, and
+a write to them inside the compiled region is ordered before the op. CPU: the ops run the kernels
+in the interpreter; GPU: also inductor's CUDA graphs.
 """
 
 from __future__ import annotations
@@ -35,54 +36,81 @@ def _counted():
 
 
 def _count_runs(monkeypatch) -> list:
-    """Count the op bodies' eager runs (``api._run_plan`` calls): one per compiled call."""
+    """Count the op bodies' eager runs (``api.run_plan`` calls): one per compiled call."""
     calls = []
-    real = api._run_plan
+    real = api.run_plan
 
-    def counting(*args):
+    def counting(*args, **kw):
         calls.append(1)
-        return real(*args)
+        return real(*args, **kw)
 
-    monkeypatch.setattr(api, "_run_plan", counting)
+    monkeypatch.setattr(api, "run_plan", counting)
     return calls
 
 
+@pytest.mark.parametrize("lengths", ["plan", "run"])
 @pytest.mark.parametrize("separate", [False, True])
 @pytest.mark.parametrize("with_out", [False, True])
-def test_compiled_run_matches_reference(separate, with_out, monkeypatch):
-    case = Case(lens=(1, 17, 40), separate=separate, bmm2_scale=0.5, config=tsdecode.KernelConfig(
+def test_compiled_run_matches_reference(lengths, separate, with_out, monkeypatch):
+    case = Case(lens=(1, 17, 40), separate=separate, bmm2_scale=0.5, lengths=lengths, config=tsdecode.KernelConfig(
         block_n=16, block_m=16, num_kv_splits=2, num_warps=1, num_stages=1))
     inp = build(case)
     w = plan_wrapper(case, inp)
     counter = _counted()
     runs = _count_runs(monkeypatch)
+    seq_lens = inp.seq_lens if lengths == "run" else None
 
-    def step(q, cache, out):
-        return w.run(q, cache, bmm2_scale=0.5, out=out) * 2.0
+    def step(q, cache, seq_lens, block_tables, out):
+        return w.run(q, cache, seq_lens, block_tables, bmm2_scale=0.5, out=out) * 2.0
 
     fn = torch.compile(step, fullgraph=True, backend=counter)
     for seed in range(2):  # new q values: the same graph
         q = torch.randn(inp.q.shape, generator=torch.Generator().manual_seed(seed)).to(inp.q)
         inp.q = q
         out = poisoned_out(case, inp) if with_out else None
-        result = fn(q, inp.cache, out)
+        result = fn(q, inp.cache, seq_lens, inp.block_tables, out)
         check(case, result / 2.0, reference(case, inp))
         if with_out:
             check(case, out, reference(case, inp))
     assert counter.frame_count == 1 and len(runs) == 2
 
 
+def test_new_block_tables_and_lengths_need_no_recompile():
+    """The block table and the run's lengths are op inputs: new values in place and new tensors of
+    the same shapes reuse the graph, and each call reads them (issue 29: no recompile when they
+    change)."""
+    case = Case(lens=(5, 33, 20), lengths="run", max_kv_len=64, extra_cols=2)
+    inp = build(case)
+    w = plan_wrapper(case, inp)
+    counter = _counted()
+    fn = torch.compile(lambda q, cache, lens, bt: w.run(q, cache, lens, bt), fullgraph=True, backend=counter)
+    check(case, fn(inp.q, inp.cache, inp.seq_lens, inp.block_tables), reference(case, inp))
+    inp.seq_lens.copy_(torch.tensor([40, 1, 17], dtype=torch.int32))  # in place
+    for b in range(3):  # rows need up to 3 live pages now: valid IDs in every column
+        for col in range(inp.block_tables.shape[1]):
+            if not 0 <= int(inp.block_tables[b, col]) < inp.num_pages:
+                inp.block_tables[b, col] = (b + col) % inp.num_pages
+    check(case, fn(inp.q, inp.cache, inp.seq_lens, inp.block_tables), reference(case, inp))
+    inp.seq_lens = torch.tensor([64, 9, 2], dtype=torch.int32, device=DEVICE)  # new tensors
+    inp.block_tables = inp.block_tables.flip(0).contiguous()
+    check(case, fn(inp.q, inp.cache, inp.seq_lens, inp.block_tables), reference(case, inp))
+    assert counter.frame_count == 1
+
+
 def test_compiled_run_follows_replans_without_recompiling():
-    case = Case(lens=(5, 33, 20))
+    case = Case(lens=(5, 33, 20), max_kv_len=48)
     inp = build(case)
     w = tsdecode.BatchDecodePagedTSWrapper()
     counter = _counted()
-    fn = torch.compile(lambda q, cache: w.run(q, cache), fullgraph=True, backend=counter)
-    for lens in ((5, 33, 20), (9, 48, 1), (16, 17, 31)):  # each a new plan, same shapes
+    fn = torch.compile(lambda q, cache, bt: w.run(q, cache, None, bt), fullgraph=True, backend=counter)
+    for lens in ((5, 33, 20), (9, 48, 1), (16, 17, 31)):  # each a new plan owning its lengths
         inp.seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
-        w.plan(inp.block_tables, inp.seq_lens, case.num_qo_heads, case.num_kv_heads, case.head_dim,
-               case.page_size, q_data_type=case.dtype)
-        check(case, fn(inp.q, inp.cache), reference(case, inp))
+        for b in range(3):
+            for col in range(inp.block_tables.shape[1]):
+                if not 0 <= int(inp.block_tables[b, col]) < inp.num_pages:
+                    inp.block_tables[b, col] = (b + col) % inp.num_pages
+        plan_wrapper(Case(lens=lens, max_kv_len=48), inp, wrapper=w)
+        check(case, fn(inp.q, inp.cache, inp.block_tables), reference(case, inp))
     assert counter.frame_count == 1
 
 
@@ -90,7 +118,7 @@ def test_new_wrappers_and_batch_sizes_need_no_recompile():
     """A new wrapper (an engine's next step, a model's next layer) and a re-plan to another batch
     size reuse the graph: the handle is a tensor input, the output takes q's shape (dynamic)."""
     counter = _counted()
-    fn = torch.compile(lambda w, q, cache: w.run(q, cache), fullgraph=True, dynamic=True,
+    fn = torch.compile(lambda w, q, cache, bt: w.run(q, cache, None, bt), fullgraph=True, dynamic=True,
                        backend=counter)
     first = None
     # batch sizes >= 2: dynamo specialises a size of 1 in any graph (its 0/1 rule)
@@ -98,36 +126,43 @@ def test_new_wrappers_and_batch_sizes_need_no_recompile():
         case = Case(lens=lens)
         inp = build(case)
         w = plan_wrapper(case, inp)
-        check(case, fn(w, inp.q, inp.cache), reference(case, inp))
+        check(case, fn(w, inp.q, inp.cache, inp.block_tables), reference(case, inp))
         first = first or counter.frame_count  # the first call's compile (it may restart once)
     assert counter.frame_count == first
 
 
 def test_compiled_run_packed_causal_queries():
     case = Case(lens=(7, 30, 18), mode="packed", q_lens=(1, 4, 2), mask_type="causal", window_left=5,
-                bmm1_scale=1)
+                bmm1_scale=1, lengths="run")
     inp = build(case)
     w = plan_wrapper(case, inp)
-    fn = torch.compile(lambda q, cache: w.run(q, cache, bmm1_scale=1), fullgraph=True, backend=BACKEND)
-    check(case, fn(inp.q, inp.cache), reference(case, inp))
+    counter = _counted()
+    fn = torch.compile(lambda q, cache, lens, bt, indptr: w.run(q, cache, lens, bt, qo_indptr=indptr, bmm1_scale=1),
+                       fullgraph=True, backend=counter)
+    check(case, fn(inp.q, inp.cache, inp.seq_lens, inp.block_tables, inp.qo_indptr), reference(case, inp))
+    inp.qo_indptr.copy_(torch.tensor([0, 3, 4, 7], dtype=torch.int32))  # new query lengths in place
+    check(case, fn(inp.q, inp.cache, inp.seq_lens, inp.block_tables, inp.qo_indptr), reference(case, inp))
+    assert counter.frame_count == 1
 
 
-def test_block_table_written_inside_the_compiled_region_is_refused_or_read():
-    """A write the graph defers past the op (functionalization) would leave the planned kernels
-    reading the old page IDs: the op refuses it. (Inductor applies it in place first: the GPU
-    test at the end of this file.)"""
+def test_block_table_written_inside_the_compiled_region_is_read():
+    """The block table is an op input, so a write to it inside the compiled region is ordered
+    before the op, which reads the new page ID. (Replaces "refused": the plan held the block table
+    then, and a deferred write would have been missed.)"""
     case = Case(lens=(20, 33))
     inp = build(case)
     w = plan_wrapper(case, inp)
-    spare = inp.num_pages - 1  # a valid page ID (whether a request uses it does not matter here)
+    spare = inp.num_pages - 1  # a page no request uses
+    assert spare not in inp.block_tables[:, :3].tolist()
 
     def step(q, cache, block_tables):
         block_tables[0, 0] = spare
-        return w.run(q, cache)
+        return w.run(q, cache, None, block_tables)
 
     fn = torch.compile(step, fullgraph=True, backend=BACKEND)
-    with pytest.raises(RuntimeError, match="copy of the plan's block_tables"):
-        fn(inp.q, inp.cache, inp.block_tables)
+    result = fn(inp.q, inp.cache, inp.block_tables)
+    assert int(inp.block_tables[0, 0]) == spare  # the write reached the caller's tensor
+    check(case, result, reference(case, inp))
 
 
 def test_copies_of_a_wrapper_are_wrappers_of_their_own():
@@ -139,15 +174,14 @@ def test_copies_of_a_wrapper_are_wrappers_of_their_own():
     w = plan_wrapper(case, inp)
     twin = copy.copy(w)
     assert int(twin._handle) != int(w._handle) and twin._plan is w._plan
-    fn_twin = torch.compile(lambda q, cache: twin.run(q, cache), fullgraph=True, backend=BACKEND)
-    fn_w = torch.compile(lambda q, cache: w.run(q, cache), fullgraph=True, backend=BACKEND)
-    check(case, fn_twin(inp.q, inp.cache), reference(case, inp))
+    fn_twin = torch.compile(lambda q, cache, bt: twin.run(q, cache, None, bt), fullgraph=True, backend=BACKEND)
+    fn_w = torch.compile(lambda q, cache, bt: w.run(q, cache, None, bt), fullgraph=True, backend=BACKEND)
+    check(case, fn_twin(inp.q, inp.cache, inp.block_tables), reference(case, inp))
     other = Case(lens=(12, 3), seed=1)
     other_inp = build(other)
-    twin.plan(other_inp.block_tables, other_inp.seq_lens, other.num_qo_heads, other.num_kv_heads,
-              other.head_dim, other.page_size, q_data_type=other.dtype)
-    check(other, fn_twin(other_inp.q, other_inp.cache), reference(other, other_inp))
-    check(case, fn_w(inp.q, inp.cache), reference(case, inp))
+    plan_wrapper(other, other_inp, wrapper=twin)
+    check(other, fn_twin(other_inp.q, other_inp.cache, other_inp.block_tables), reference(other, other_inp))
+    check(case, fn_w(inp.q, inp.cache, inp.block_tables), reference(case, inp))
     for deep in (copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))):
         with pytest.raises(TypeError, match="cannot be deep-copied or pickled"):
             deep(w)
@@ -165,8 +199,8 @@ def test_the_registry_keeps_no_wrapper_alive_and_the_op_refuses_a_gone_one():
     gc.collect()
     assert int(handle) not in api._WRAPPERS
     with pytest.raises(RuntimeError, match="no longer exists or has no plan"):
-        torch.ops.tsdecode.run_planned(handle, inp.q, inp.cache, None, plan.block_tables, plan.seq_lens,
-                                       poisoned_out(case, inp), 1.0, 1.0)
+        torch.ops.tsdecode.run_planned(handle, inp.q, inp.cache, None, plan.seq_lens, inp.block_tables, None,
+                                       poisoned_out(case, inp), 1.0, 1.0, True)
 
 
 def test_compiled_errors_are_the_eager_ones():
@@ -174,16 +208,25 @@ def test_compiled_errors_are_the_eager_ones():
     inp = build(case)
     w = plan_wrapper(case, inp)
     scale = torch.tensor(0.5)
+    bt = inp.block_tables
     with pytest.raises(TypeError, match="bmm1_scale must be a real number"):  # at trace time
-        torch.compile(lambda q, cache: w.run(q, cache, bmm1_scale=scale), backend=BACKEND)(inp.q, inp.cache)
+        torch.compile(lambda q, cache: w.run(q, cache, None, bt, bmm1_scale=scale), backend=BACKEND)(inp.q, inp.cache)
     torch._dynamo.reset()
     with pytest.raises(Exception, match="bmm1_scale must be a real number"):  # fullgraph: dynamo's, quoting it
-        torch.compile(lambda q, cache: w.run(q, cache, bmm1_scale=scale), fullgraph=True,
+        torch.compile(lambda q, cache: w.run(q, cache, None, bt, bmm1_scale=scale), fullgraph=True,
                       backend=BACKEND)(inp.q, inp.cache)
     torch._dynamo.reset()
-    with pytest.raises(ValueError, match="q must have the planned shape"):  # in the op, at run time
-        torch.compile(lambda q, cache: w.run(q[:, :4], cache), fullgraph=True,
+    with pytest.raises(Exception, match="this plan owns the lengths"):  # ownership: while tracing
+        torch.compile(lambda q, cache: w.run(q, cache, inp.seq_lens, bt), fullgraph=True,
                       backend=BACKEND)(inp.q, inp.cache)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"q must be \[B, Hq, D\]"):  # in the op, at run time
+        torch.compile(lambda q, cache: w.run(q[:, :4], cache, None, bt), fullgraph=True,
+                      backend=BACKEND)(inp.q, inp.cache)
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match="page ID"):  # the metadata check, in the op
+        torch.compile(lambda q, cache, bt: w.run(q, cache, None, bt), fullgraph=True,
+                      backend=BACKEND)(inp.q, inp.cache, torch.full_like(bt, -1))
 
 
 @pytest.mark.parametrize("separate", [False, True])
@@ -218,21 +261,47 @@ def test_compiled_oneshot_packed_queries():
     check(case, result, reference(case, inp))
 
 
+def test_compiled_capturable_oneshot():
+    """The one-shot's capture mode (workspace_buffer, max_kv_len, out, validate=False) compiles
+    to one op too, and reads new lengths and page IDs on every call without recompiling."""
+    case = Case(lens=(1, 17, 40), mode="packed", q_lens=(1, 2, 1), max_kv_len=64, extra_cols=2)
+    inp = build(case)
+    workspace = torch.zeros(1 << 20, dtype=torch.uint8, device=DEVICE)
+    counter = _counted()
+
+    def step(q, cache, block_tables, seq_lens, qo_indptr, out):
+        return tsdecode.batch_decode_with_paged_kv_cache(
+            q, cache, block_tables, seq_lens, qo_indptr=qo_indptr, max_seq_len_q=2, out=out,
+            workspace_buffer=workspace, max_kv_len=64, validate=False)
+
+    fn = torch.compile(step, fullgraph=True, backend=counter)
+    for lens in ((1, 17, 40), (33, 2, 48)):
+        inp.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        for b in range(3):
+            for col in range(inp.block_tables.shape[1]):
+                if not 0 <= int(inp.block_tables[b, col]) < inp.num_pages:
+                    inp.block_tables[b, col] = (b + col) % inp.num_pages
+        out = poisoned_out(case, inp)
+        fn(inp.q, inp.cache, inp.block_tables, inp.seq_lens, inp.qo_indptr, out)
+        check(case, out, reference(case, inp))
+    assert counter.frame_count == 1
+
+
 def test_dynamic_shapes():
     """dynamic=True: symbolic batch and head dims (the default bmm1_scale is taken at run time)."""
     w = tsdecode.BatchDecodePagedTSWrapper()
-    run = torch.compile(lambda q, cache: w.run(q, cache), fullgraph=True, dynamic=True, backend=BACKEND)
+    run = torch.compile(lambda q, cache, lens, bt: w.run(q, cache, lens, bt), fullgraph=True, dynamic=True,
+                        backend=BACKEND)
     oneshot = torch.compile(
         lambda q, cache, bt, lens: tsdecode.batch_decode_with_paged_kv_cache(q, cache, bt, lens),
         fullgraph=True, dynamic=True, backend=BACKEND)
     for lens in ((5, 33, 20), (9, 48)):
-        case = Case(lens=lens)
+        case = Case(lens=lens, lengths="run")
         inp = build(case)
         ref = reference(case, inp)
         check(case, oneshot(inp.q, inp.cache, inp.block_tables, inp.seq_lens), ref)
-        w.plan(inp.block_tables, inp.seq_lens, case.num_qo_heads, case.num_kv_heads, case.head_dim,
-               case.page_size, q_data_type=case.dtype)
-        check(case, run(inp.q, inp.cache), ref)
+        plan_wrapper(case, inp, wrapper=w)
+        check(case, run(inp.q, inp.cache, inp.seq_lens, inp.block_tables), ref)
 
 
 def test_a_module_reload_keeps_the_ops():
@@ -248,34 +317,36 @@ def test_a_module_reload_keeps_the_ops():
     case = Case(lens=(5, 33))
     inp = build(case)
     w = plan_wrapper(case, inp)
-    check(case, torch.compile(lambda q, cache: w.run(q, cache), fullgraph=True, backend=BACKEND)(
-        inp.q, inp.cache), reference(case, inp))
+    check(case, torch.compile(lambda q, cache, bt: w.run(q, cache, None, bt), fullgraph=True, backend=BACKEND)(
+        inp.q, inp.cache, inp.block_tables), reference(case, inp))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 def test_inductor_with_and_without_cuda_graphs(mode, monkeypatch):
     """Inductor, and its CUDA graphs (the op runs between the captured parts: one eager run per
-    call, counted). Bound lengths changed between calls; a re-plan with fixed lengths between
-    calls (a captured op would replay the old plan: its lengths copy, its scratch); without CUDA
-    graphs also a block-table write inside the compiled region, which inductor applies in place
-    before the op reads it (with them, a write to an input makes inductor skip its CUDA graphs,
-    so the page is remapped outside)."""
-    case = Case(lens=(100, 37, 250), num_qo_heads=16, num_kv_heads=4, head_dim=128, extra_cols=0)
+    call, counted). Run-owned lengths changed in place between calls; a re-plan with plan-owned
+    lengths between calls (a captured op would replay the old plan: its lengths copy, its
+    scratch); without CUDA graphs also a block-table write inside the compiled region, which the
+    op reads (with them, a write to an input makes inductor skip its CUDA graphs, so the page is
+    remapped outside)."""
+    case = Case(lens=(100, 37, 250), num_qo_heads=16, num_kv_heads=4, head_dim=128, extra_cols=0, lengths="run")
     inp = build(case)
     cols = inp.block_tables.shape[1]
-    for b in range(len(case.lens)):  # every column a valid page: lengths are bound up to C*P
+    for b in range(len(case.lens)):  # every column a valid page: lengths change up to C*P
         for c in range(cols):
             if inp.block_tables[b, c] >= inp.num_pages:
                 inp.block_tables[b, c] = (b + c) % inp.num_pages
-    w = plan_wrapper(case, inp, bind_seq_lens=True, max_kv_len=cols * case.page_size)
+    max_kv_len = cols * case.page_size
+    w = plan_wrapper(case, inp, max_kv_len=max_kv_len)
     write_inside = mode is None
     runs = _count_runs(monkeypatch)
+    owned = {"lens": inp.seq_lens}
 
-    def step(q, cache, block_tables, page):
+    def step(q, cache, seq_lens, block_tables, page):
         if write_inside:
             block_tables[1, 0] = page
-        return w.run(q, cache) * 1.0
+        return w.run(q, cache, seq_lens, block_tables) * 1.0
 
     fn = torch.compile(step, fullgraph=True, mode=mode)
     pages = (int(inp.block_tables[1, 0]), int(inp.block_tables[2, 5]))
@@ -283,15 +354,15 @@ def test_inductor_with_and_without_cuda_graphs(mode, monkeypatch):
     for i in range(6):
         inp.seq_lens[0] = 100 - 10 * i
         inp.seq_lens[1] = 37 + 40 * i
-        if i >= 3:  # re-plans with fixed lengths (plan-owned copies), same shapes
-            w = plan_wrapper(case, inp) if i == 3 else w
-            w.plan(inp.block_tables, inp.seq_lens.clone(), case.num_qo_heads, case.num_kv_heads,
-                   case.head_dim, case.page_size, q_data_type=case.dtype)
+        if i >= 3:  # re-plans with plan-owned lengths, same shapes
+            plan_wrapper(Case(lens=tuple(inp.seq_lens.tolist()), num_qo_heads=16, num_kv_heads=4, head_dim=128),
+                         inp, wrapper=w, max_kv_len=max_kv_len)
+            owned["lens"] = None
         page = torch.tensor(pages[i % 2], dtype=torch.int32, device=DEVICE)
         if not write_inside:
             inp.block_tables[1, 0] = page
         inp.q = torch.randn_like(inp.q)
-        result = fn(inp.q, inp.cache, inp.block_tables, page)
+        result = fn(inp.q, inp.cache, owned["lens"], inp.block_tables, page)
         calls += 1
         torch.cuda.synchronize()
         assert int(inp.block_tables[1, 0]) == pages[i % 2]

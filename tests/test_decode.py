@@ -2,6 +2,9 @@
 
 Runs on the GPU when there is one, else through Triton's interpreter on CPU tensors. The CPU run
 is a representative subset; ``test_gpu.py`` adds the full matrix and CUDA graphs on the GPU.
+Every case runs through the wrapper in FlashInfer's call form, with the lengths owned by the plan
+or passed to every run (``Case.lengths``), block-table rows padded with garbage or -1 past the
+live pages, into a NaN-poisoned ``out``.
 """
 
 import dataclasses
@@ -10,8 +13,9 @@ import pytest
 import torch
 
 from tsdecode import KernelConfig
-from tsdecode.kernels import decode
-from cases import FP8, Case, DEVICE, build, check, plan_wrapper, poisoned_out, reference, run_and_check
+from tsdecode.kernels import decode, launch
+from cases import (DEVICE, FP8, Case, build, check, plan_wrapper, poisoned_out, reference, run_and_check,
+                   run_wrapper)
 
 KC = KernelConfig
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -19,9 +23,9 @@ BF16, FP16 = torch.bfloat16, torch.float16
 CASES = {
     # SQ = 1, the heuristic config, lengths 1 / page boundary / not a multiple of the tile
     "gqa-default": Case(lens=(1, 16, 33, 130)),
-    "gqa-fp16": Case(dtype=FP16, lens=(5, 64, 100)),
+    "gqa-fp16": Case(dtype=FP16, lens=(5, 64, 100), lengths="run"),
     "mha-fma": Case(num_qo_heads=4, num_kv_heads=4, lens=(1, 31, 96)),
-    "mqa-g8": Case(num_qo_heads=8, num_kv_heads=1, lens=(7, 48)),
+    "mqa-g8": Case(num_qo_heads=8, num_kv_heads=1, lens=(7, 48), lengths="run", max_kv_len=100),
     # one KV head of one request (B*Hkv = 1): the heuristic's split count hits its bound
     "mqa-b1": Case(num_qo_heads=8, num_kv_heads=1, lens=(70,)),
     "mqa-b1-fp8": Case(num_qo_heads=8, num_kv_heads=1, kv_dtype=torch.float8_e4m3fn, lens=(70,)),
@@ -30,12 +34,12 @@ CASES = {
     "g4-sq8-wide-rows-lean": Case(mode="fixed", seq_len_q=8, mask_type="causal", lens=(9, 70), config=KC(block_n=16, block_m=32, num_kv_splits=2, num_warps=1, num_stages=5)),
     # explicit configs: tiles, FMA/dot, splits (more splits than tiles for short requests)
     "splits-3-bn16": Case(lens=(1, 17, 100), config=KC(block_n=16, block_m=16, num_kv_splits=3)),
-    "splits-7-bn32": Case(lens=(2, 200, 45), config=KC(block_n=32, block_m=16, num_kv_splits=7)),
+    "splits-7-bn32": Case(lens=(2, 200, 45), config=KC(block_n=32, block_m=16, num_kv_splits=7), lengths="run"),
     "fma-bm4": Case(lens=(3, 70), config=KC(block_n=16, block_m=4, num_kv_splits=2)),
     "fma-bm2-g4": Case(num_qo_heads=8, num_kv_heads=2, lens=(19, 50), config=KC(block_n=32, block_m=2, num_kv_splits=1)),
     "bn128-single-page": Case(page_size=128, lens=(1, 129, 300), config=KC(block_n=128, block_m=16, num_kv_splits=2)),
     # page sizes (P < block_n spans pages per tile; P >= block_n stays in one page)
-    "page1": Case(page_size=1, lens=(1, 9, 23)),
+    "page1": Case(page_size=1, lens=(1, 9, 23), lengths="run", pad_value=-1),
     "page3-odd": Case(page_size=3, lens=(4, 10)),
     "page8": Case(page_size=8, lens=(8, 41)),
     "page32": Case(page_size=32, lens=(32, 65), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
@@ -48,20 +52,20 @@ CASES = {
     "d256": Case(head_dim=256, num_qo_heads=2, num_kv_heads=1, lens=(3, 20)),
     # fixed SQ > 1, masks, windows
     "fixed-sq2-dense": Case(mode="fixed", seq_len_q=2, lens=(2, 40)),
-    "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70)),
+    "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70), lengths="run"),
     "fixed-sq3-causal-window": Case(mode="fixed", seq_len_q=3, mask_type="causal", window_left=5, lens=(3, 40), config=KC(block_n=16, block_m=16, num_kv_splits=3)),
     "window0": Case(mask_type="causal", window_left=0, lens=(1, 20)),
     "sq1-causal-window": Case(mask_type="causal", window_left=16, lens=(1, 17, 90), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
     # packed queries
-    "packed-dense": Case(mode="packed", q_lens=(1, 3, 2), lens=(5, 40, 17)),
+    "packed-dense": Case(mode="packed", q_lens=(1, 3, 2), lens=(5, 40, 17), lengths="run"),
     "packed-causal-window": Case(mode="packed", q_lens=(2, 4, 1), mask_type="causal", window_left=7, lens=(4, 33, 18), config=KC(block_n=16, block_m=8, num_kv_splits=2)),
     "packed-capacity": Case(mode="packed", q_lens=(1, 2), seq_len_q=5, lens=(3, 30)),
     # cache layouts and tables
-    "separate-kv": Case(separate=True, lens=(7, 50)),
+    "separate-kv": Case(separate=True, lens=(7, 50), lengths="run", pad_value=-1),
     "padded-page-stride": Case(page_stride_pad=40, lens=(20, 33), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
-    "padded-table-shared-pages": Case(table_pad=5, shared_pages=True, lens=(18, 40, 3)),
+    "padded-table-shared-pages": Case(table_pad=5, shared_pages=True, lens=(18, 40, 3), pad_value=-1),
     # dtypes and scales
-    "fp8-cache-bf16-q": Case(kv_dtype=FP8, lens=(5, 40)),
+    "fp8-cache-bf16-q": Case(kv_dtype=FP8, lens=(5, 40), lengths="run", max_kv_len=64),
     "fp8-cache-fp16-q-fp32-out": Case(dtype=FP16, kv_dtype=FP8, out_dtype=torch.float32, lens=(9, 31)),
     "fp8-q-fp8-out": Case(dtype=FP8, kv_dtype=FP8, lens=(6, 40)),
     "fp8-q-bf16-out": Case(dtype=FP8, kv_dtype=FP8, out_dtype=BF16, lens=(6, 40)),
@@ -80,6 +84,12 @@ def test_oneshot_matches_reference(name):
     run_and_check(CASES[name], via="oneshot")
 
 
+@pytest.mark.parametrize("name", ["gqa-fp16", "splits-7-bn32", "packed-causal-window", "page1"])
+def test_unvalidated_run_matches_reference(name):
+    """run(validate=False), the form a CUDA graph captures, computes the same answer."""
+    run_and_check(CASES[name], validate=False)
+
+
 # Cases with <= 8 query rows per KV head on the tl.dot path (either product form applies).
 FORM_CASES = {name: CASES[name] for name in (
     "gqa-default", "mqa-g8", "splits-7-bn32", "bn128-single-page", "page3-odd", "d96", "fixed-sq2-dense",
@@ -90,41 +100,61 @@ FORM_CASES["fp8-mha-causal-sq2"] = Case(num_qo_heads=4, num_kv_heads=4, kv_dtype
                                         mask_type="causal", lens=(2, 33, 70))
 
 
+def force_product_form(monkeypatch, form: str) -> None:
+    """Make the launcher take the standard ("0") or transposed ("1") form wherever the transposed
+    one applies (tl.dot path, <= 8 rows per KV head), whatever the cache dtype."""
+    monkeypatch.setattr(launch, "transposed_products",
+                        lambda kv_dtype, rows, config: form == "1" and config.uses_dot and rows <= 8)
+
+
 @pytest.mark.parametrize("form", ["0", "1"])
 @pytest.mark.parametrize("name", list(FORM_CASES))
 def test_both_product_forms(monkeypatch, form, name):
     """The standard (S = Q K^T) and transposed (S^T = K Q^T) split kernels, each forced on 16-bit
     and 8-bit caches alike (the rule picks one per dtype), match the reference."""
-    monkeypatch.setattr(decode, "_TRANSPOSED_MODE", form)
+    force_product_form(monkeypatch, form)
     case = FORM_CASES[name]
-    run_and_check(dataclasses.replace(case, config=case.config or KC(block_n=16, block_m=16, num_kv_splits=2)))
+    case = dataclasses.replace(case, config=case.config or KC(block_n=16, block_m=16, num_kv_splits=2))
+    w = run_and_check(case)
+    assert w._plan.launch._split_constexprs["TRANSPOSED"] is (form == "1")
 
 
-def test_transposed_products_rule(monkeypatch):
-    """8-bit caches take the transposed form at <= 8 rows on the dot path; nothing else does."""
-    monkeypatch.setattr(decode, "_TRANSPOSED_MODE", "auto")
+def test_transposed_products_rule():
+    """8-bit caches take the transposed form at <= 8 rows on the dot path; nothing else does.
+    (The TSDECODE_TRANSPOSED switch that forced a form is gone: an A/B passes ``transposed=``
+    to ``DecodeLaunch``, which the next test covers.)"""
     dot, fma = KC(block_n=16, block_m=16), KC(block_n=16, block_m=4)
-    assert decode.transposed_products(FP8, 4, dot) and decode.transposed_products(FP8, 1, dot)
-    assert decode.transposed_products(FP8, 8, dot)
-    assert not decode.transposed_products(FP8, 9, dot) and not decode.transposed_products(FP8, 4, fma)
-    assert not decode.transposed_products(BF16, 4, dot) and not decode.transposed_products(FP16, 1, dot)
-    monkeypatch.setattr(decode, "_TRANSPOSED_MODE", "1")
-    assert decode.transposed_products(BF16, 4, dot) and not decode.transposed_products(BF16, 16, dot)
-    monkeypatch.setattr(decode, "_TRANSPOSED_MODE", "0")
-    assert not decode.transposed_products(FP8, 4, dot)
+    rule = launch.transposed_products
+    assert rule(FP8, 4, dot) and rule(FP8, 1, dot) and rule(FP8, 8, dot)
+    assert not rule(FP8, 9, dot) and not rule(FP8, 4, fma)
+    assert not rule(BF16, 4, dot) and not rule(FP16, 1, dot)
+
+
+@pytest.mark.parametrize("transposed", [None, False, True])
+def test_launcher_takes_an_explicit_product_form(transposed):
+    """``DecodeLaunch(transposed=...)`` overrides the rule (None keeps it): the explicit argument
+    that replaced the import-time switch."""
+    from tsdecode.config.space import ProblemShape
+
+    shape = ProblemShape(batch_size=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                         max_kv_len=64, kv_dtype=FP8)
+    config = KC(block_n=16, block_m=16)
+    made = launch.DecodeLaunch(shape, config, 2, torch.device("cpu"), None, transposed=transposed)
+    expected = launch.transposed_products(FP8, 4, config) if transposed is None else transposed
+    assert made._split_constexprs["TRANSPOSED"] is expected
 
 
 def test_every_config_same_answer():
     """Several configs on one problem agree with the reference (and so with each other)."""
     base = Case(lens=(2, 45, 130), mode="fixed", seq_len_q=2, mask_type="causal")
-    for cfg in (
+    for i, cfg in enumerate((
         KC(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=1),
         KC(block_n=32, block_m=32, num_kv_splits=4, num_warps=2, num_stages=3),
         KC(block_n=64, block_m=4, num_kv_splits=5, num_warps=8, num_stages=4),
         KC(block_n=16, block_m=1, num_kv_splits=9, num_warps=4, num_stages=2),
         KC(block_n=16, block_m=16, num_kv_splits=3, num_warps=1, num_stages=5),
-    ):
-        run_and_check(dataclasses.replace(base, config=cfg))
+    )):
+        run_and_check(dataclasses.replace(base, config=cfg, lengths="run" if i % 2 else "plan"))
 
 
 @pytest.mark.parametrize("kv_dtype", [FP8, BF16])
@@ -147,50 +177,71 @@ def test_scores_rising_along_the_sequence(kv_dtype, config):
     ref = reference(case, inp)
     w = plan_wrapper(case, inp)
     out = poisoned_out(case, inp)
-    w.run(inp.q, inp.cache, out=out)
+    run_wrapper(w, case, inp, out=out)
     check(case, out, ref)
 
 
-def test_bound_seq_lens_read_live_and_pages_remapped():
-    """bind_seq_lens=True: runs read the caller's live lengths; remapped page IDs are read live."""
-    case = Case(lens=(20, 64, 33), config=KC(block_n=16, block_m=16, num_kv_splits=3))
-    inp = build(case)
-    # bound lengths may grow to max_kv_len: the first 4 columns of every row must be valid pages
-    for b in range(3):
+@pytest.mark.parametrize("validate", [True, False])
+def test_run_owned_lengths_and_pages_read_on_every_run(validate):
+    """Lengths passed to every run (the plan does not own them): each run reads the tensor's
+    current values, changed in place between runs anywhere in [1, max_kv_len]; page IDs remapped
+    in place in the block table are read too. (Replaces bind_seq_lens=True, which bound the
+    caller's tensor at plan.)"""
+    case = Case(lens=(20, 64, 33), config=KC(block_n=16, block_m=16, num_kv_splits=3), lengths="run",
+                max_kv_len=64, extra_cols=0)
+    inp = build(case)  # C = 4 columns: row 1 uses all of them
+    w = plan_wrapper(case, inp)
+    out = poisoned_out(case, inp)
+    run_wrapper(w, case, inp, out=out, validate=validate)
+    check(case, out, reference(case, inp))
+    # new lengths in place; rows 0 and 2 now need all 4 columns: valid IDs there first
+    for b in (0, 2):
         for col in range(4):
-            if inp.block_tables[b, col] >= inp.num_pages:
+            if not 0 <= int(inp.block_tables[b, col]) < inp.num_pages:
                 inp.block_tables[b, col] = (b * 4 + col) % inp.num_pages
-    w = plan_wrapper(case, inp, bind_seq_lens=True, max_kv_len=64)
-    check(case, w.run(inp.q, inp.cache), reference(case, inp))
-    inp.seq_lens.copy_(torch.tensor([64, 1, 17], dtype=torch.int32))
+    inp.seq_lens.copy_(torch.tensor([64, 1, 50], dtype=torch.int32))
     # remap: move request 1's live page and request 2's second page to other pool pages
-    k, v = inp.cache[:, 0], inp.cache[:, 1]
     for b, col in ((1, 0), (2, 1)):
-        old = int(inp.block_tables[b, col])
-        new = (old + 1) % inp.num_pages
+        new = (int(inp.block_tables[b, col]) + 1) % inp.num_pages
         inp.cache[new].copy_(torch.randn(inp.cache[new].shape).to(inp.cache.dtype))
         inp.block_tables[b, col] = new
-    ref = reference(case, inp)
+    out.fill_(float("nan"))
+    run_wrapper(w, case, inp, out=out, validate=validate)
+    check(case, out, reference(case, inp))
+
+
+def test_run_owned_lengths_accept_garbage_past_live_pages_up_to_max_kv_len():
+    """With lengths passed per run and max_kv_len far beyond them, the block table's columns past
+    each request's live pages may hold anything (garbage, -1, out-of-range IDs): only live pages
+    are read and checked. (Replaces "a bound plan validates columns up to max_kv_len", which
+    refused such padding.)"""
+    case = Case(lens=(20, 64, 33), lengths="run", max_kv_len=4096, extra_cols=3)
+    inp = build(case)
+    bt = inp.block_tables
+    bt[0, 2:] = -1
+    bt[2, 3:] = 10**9
+    w = plan_wrapper(case, inp)
     out = poisoned_out(case, inp)
-    w.run(inp.q, inp.cache, out=out)
-    check(case, out, ref)
+    run_wrapper(w, case, inp, out=out)
+    check(case, out, reference(case, inp))
+    bt[1, 3] = -1  # a live page: refused by a validated run
+    with pytest.raises(ValueError, match="negative page ID"):
+        run_wrapper(w, case, inp)
 
 
-def test_bound_plan_validates_columns_up_to_max_kv_len():
-    case = Case(lens=(20, 64, 33))
-    inp = build(case)  # rows 0 and 2 hold garbage past their live pages
-    w = plan_wrapper(case, inp, bind_seq_lens=True)
-    with pytest.raises(ValueError, match="page ID"):
-        w.run(inp.q, inp.cache)
-
-
-def test_unbound_seq_lens_are_copied_at_plan():
+def test_plan_owned_lengths_are_copied_at_plan():
+    """Lengths given to plan (a CPU tensor here) are the plan's own: changing the caller's tensor
+    after plan has no effect. (Was: plan copies an unbound seq_lens_kv.)"""
     case = Case(lens=(20, 40))
     inp = build(case)
-    w = plan_wrapper(case, inp)
+    host = torch.tensor(case.lens, dtype=torch.int64)
+    w = plan_wrapper(case, inp, seq_lens=host)
     ref = reference(case, inp)
-    inp.seq_lens.fill_(1)  # changing the caller's tensor after plan has no effect
-    check(case, w.run(inp.q, inp.cache), ref)
+    host.fill_(1)
+    inp.seq_lens.fill_(1)
+    out = poisoned_out(case, inp)
+    w.run(inp.q, inp.cache, None, inp.block_tables, out=out)
+    check(case, out, ref)
 
 
 def test_failed_replan_keeps_previous_plan():
@@ -198,8 +249,10 @@ def test_failed_replan_keeps_previous_plan():
     inp = build(case)
     w = plan_wrapper(case, inp)
     with pytest.raises(ValueError):
-        w.plan(inp.block_tables, inp.seq_lens, 8, 3, 64, 16)
-    check(case, w.run(inp.q, inp.cache), reference(case, inp))
+        w.plan(inp.q.device, 2, 8, 3, 64, 16, 30)  # 8 query heads over 3 KV heads
+    with pytest.raises(ValueError):
+        w.plan(inp.q.device, 2, 8, 2, 64, 16, 30, seq_lens=[10, 31])  # over max_kv_len
+    check(case, run_wrapper(w, case, inp), reference(case, inp))
 
 
 def test_merge_takes_more_splits_than_one_pass_holds():
@@ -236,12 +289,34 @@ def test_config_reports_source_and_adjustments():
     w = plan_wrapper(case, inp)
     sel = w.config
     assert sel.source == "explicit"
-    assert sel.kernel_config.num_kv_splits == 2  # 20 tokens = 2 tiles of 16
+    assert sel.kernel_config.num_kv_splits == 2  # max_kv_len 20 = 2 tiles of 16
     assert sel.kernel_config.block_m == 16  # only 4 rows per KV head
     assert any("num_kv_splits" in a for a in sel.adjustments)
-    check(case, w.run(inp.q, inp.cache), reference(case, inp))
+    check(case, run_wrapper(w, case, inp), reference(case, inp))
     w2 = plan_wrapper(dataclasses.replace(case, config=None), inp)
     assert w2.config.source in ("heuristic", "table")
+
+
+def test_the_users_table_cache_is_isolated(fresh_tables):
+    """conftest points the user cache folder (platformdirs honours XDG_CACHE_HOME) at a temporary
+    folder of this test session and unsets TSDECODE_CONFIG_DIR, so a table that tsdecode-tune wrote
+    on this machine never changes a test's config."""
+    import os
+    import tempfile
+
+    user_dir = fresh_tables.user_config_dir().resolve()
+    session = os.path.realpath(os.environ["XDG_CACHE_HOME"])
+    assert str(user_dir).startswith(session) and session.startswith(os.path.realpath(tempfile.gettempdir()))
+    assert "TSDECODE_CONFIG_DIR" not in os.environ
+    trace = []
+    from tsdecode.config.select import select_config
+    from tsdecode.config.space import ProblemShape
+    from tsdecode.device import device_properties
+
+    shape = ProblemShape(batch_size=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, max_kv_len=64)
+    selected = select_config(shape, device_properties(DEVICE), trace=trace)
+    if DEVICE.type == "cpu":
+        assert selected.source == "heuristic", (selected, trace)
 
 
 def test_specialization_key_is_as_fine_as_triton():
@@ -254,24 +329,29 @@ def test_specialization_key_is_as_fine_as_triton():
     kernel = JITFunction(decode._split_kv_kernel.fn, do_not_specialize=["max_kv_len"])
     names = kernel.arg_names
     base = torch.zeros(64, dtype=torch.int32)
-    args = dict(q_ptr=BF16, k_ptr=FP8, v_ptr=FP8, block_tables_ptr=base[:8], seq_lens_ptr=base[8:12],
-                qo_indptr_ptr=base[8:12], out_ptr=BF16, partial_o_ptr=torch.zeros(4), partial_lse_ptr=torch.zeros(4),
-                qk_scale_log2=0.125, bmm2_scale=1.0, window_left=-1, max_kv_len=8192, num_kv_heads=8,
-                num_kv_splits=6)
+    # The first 15 parameters by position: q, k, v, block table, lengths, offsets, out, the two
+    # partials, qk scale, bmm2 scale, window_left, max_kv_len, num_kv_heads, num_kv_splits.
+    values = [BF16, FP8, FP8, base[:8], base[8:12], base[8:12], BF16, torch.zeros(4), torch.zeros(4),
+              0.125, 1.0, -1, 8192, 8, 6]
+    assert names[12] == "max_kv_len"
+    index = {"q": 0, "k": 1, "v": 2, "block_tables": 3, "seq_lens": 4, "qk_scale": 9, "bmm2_scale": 10,
+             "window_left": 11, "max_kv_len": 12, "num_kv_heads": 13, "num_kv_splits": 14}
 
     def key(jit=kernel, **changes):
-        values = {**args, **changes}
-        return decode._specialization_key(jit, tuple(values[n] for n in names[: len(values)]))
+        args = list(values)
+        for name, value in changes.items():
+            args[index[name]] = value
+        return launch._specialization_key(jit, tuple(args))
 
     same = key()
     assert key(max_kv_len=8191) == key(max_kv_len=1) == same  # unspecialised (32-bit either way)
     assert key(max_kv_len=2**33) != same and key(max_kv_len=2**33) == key(max_kv_len=2**40)
     assert key(max_kv_len=2**63) != key(max_kv_len=2**40)
-    assert key(qk_scale_log2=3.0, bmm2_scale=-2.0) == same
-    assert key(seq_lens_ptr=base[9:13]) != same  # 4 bytes off a 16-byte boundary
-    assert key(seq_lens_ptr=base[12:16]) == same  # 48 bytes: still aligned
-    assert key(block_tables_ptr=base[:8].to(torch.int64)) != same
-    assert key(q_ptr=FP16) != same and key(k_ptr=BF16, v_ptr=BF16) != same
+    assert key(qk_scale=3.0, bmm2_scale=-2.0) == same
+    assert key(seq_lens=base[9:13]) != same  # 4 bytes off a 16-byte boundary
+    assert key(seq_lens=base[12:16]) == same  # 48 bytes: still aligned
+    assert key(block_tables=base[:8].to(torch.int64)) != same
+    assert key(q=FP16) != same and key(k=BF16, v=BF16) != same
     assert key(num_kv_heads=16) != same and key(num_kv_splits=16) != same and key(window_left=0) != same
     assert key(num_kv_splits=object()) is None  # an argument it cannot key: no sharing
     # Without the decorator's argument every integer counts.

@@ -65,3 +65,12 @@ def test_gqa_head_mapping_and_packed_rows():
     out = reference_decode(q, cache, table, torch.tensor([2, 2]), qo_indptr=torch.tensor([0, 1, 3]))
     assert torch.allclose(out[:, :2], torch.ones(3, 2, 2, dtype=torch.float64))
     assert torch.allclose(out[:, 2:], 2 * torch.ones(3, 2, 2, dtype=torch.float64))
+
+
+def test_columns_past_the_live_pages_are_not_read():
+    # a row padded with -1 (FlashInfer's padding) past its one live page: same answer as unpadded
+    cache, table = _cache([[1.0, 0.0], [0.0, 1.0]], [[2.0, 0.0], [0.0, 4.0]])
+    padded = torch.tensor([[0, -1, -1]], dtype=torch.int32)
+    q = torch.tensor([[[1.0, 1.0]]], dtype=torch.float64)
+    lens = torch.tensor([2])
+    assert torch.equal(reference_decode(q, cache, padded, lens), reference_decode(q, cache, table, lens))

@@ -12,7 +12,7 @@ Python wrapper costs ~50 us a call on a 2-core CPU host, the dispatcher's own pa
 
 import torch
 
-from . import api
+from . import api, oneshot
 
 # Inductor's CUDA graphs (mode="reduce-overhead") leave these ops out of their captures: a
 # capture would keep a plan's kernels and scratch past a re-plan, and the one-shot op reads the
@@ -23,17 +23,19 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 
 # handle: the wrapper's 0-d int64 CPU tensor; kv: a combined cache, or K with V in v.
 _RUN_PLANNED = (
-    "run_planned(Tensor handle, Tensor q, Tensor kv, Tensor? v, Tensor block_tables, "
-    "Tensor seq_lens, Tensor(a!) out, float? bmm1_scale, float bmm2_scale) -> ()"
+    "run_planned(Tensor handle, Tensor q, Tensor kv, Tensor? v, Tensor seq_lens, Tensor block_tables, "
+    "Tensor? qo_indptr, Tensor(a!) out, float? bmm1_scale, float bmm2_scale, bool validate) -> ()"
 )
 _DECODE_ONESHOT = (
     "decode_oneshot(Tensor q, Tensor kv, Tensor? v, Tensor block_tables, Tensor seq_lens_kv, "
     "int seq_len_q, Tensor? qo_indptr, int? max_seq_len_q, str mask_type, int window_left, "
-    "float? bmm1_scale, float bmm2_scale, Tensor(a!) out) -> ()"
+    "float? bmm1_scale, float bmm2_scale, Tensor(a!) out, Tensor? workspace_buffer, int? max_kv_len, "
+    "bool validate) -> ()"
 )
 
 
-def _run_planned(handle, q, kv, v, block_tables, seq_lens, out, bmm1_scale, bmm2_scale) -> None:
+def _run_planned(handle, q, kv, v, seq_lens, block_tables, qo_indptr, out, bmm1_scale, bmm2_scale,
+                 validate) -> None:
     """run() of the wrapper ``handle`` into out."""
     if not _TAGS and q.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -41,16 +43,19 @@ def _run_planned(handle, q, kv, v, block_tables, seq_lens, out, bmm1_scale, bmm2
             "around a compiled call could replay run() past a re-plan: compile without "
             'mode="reduce-overhead", or capture run() itself with torch.cuda.graph after plan()'
         )
-    api.run_planned_eager(handle, q, kv, v, block_tables, seq_lens, out, bmm1_scale, bmm2_scale)
+    api.run_planned_eager(handle, q, kv, v, seq_lens, block_tables, qo_indptr, out, bmm1_scale, bmm2_scale,
+                          validate)
 
 
 def _decode_oneshot(q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
-                    mask_type, window_left, bmm1_scale, bmm2_scale, out) -> None:
-    """batch_decode_with_paged_kv_cache into out (reads the lengths on the host)."""
-    api.batch_decode_with_paged_kv_cache(
+                    mask_type, window_left, bmm1_scale, bmm2_scale, out, workspace_buffer, max_kv_len,
+                    validate) -> None:
+    """batch_decode_with_paged_kv_cache into out."""
+    oneshot.batch_decode_with_paged_kv_cache(
         q, kv if v is None else (kv, v), block_tables, seq_lens_kv, seq_len_q=seq_len_q,
         qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q, mask_type=mask_type,
         window_left=window_left, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out,
+        workspace_buffer=workspace_buffer, max_kv_len=max_kv_len, validate=validate,
     )
 
 

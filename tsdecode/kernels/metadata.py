@@ -1,20 +1,14 @@
-"""Plan-time metadata read: one Triton kernel gathers what ``plan`` checks on the host.
+"""The metadata read behind validated runs: one Triton kernel gathers what the host checks.
 
-``plan`` needs the lengths (and packed query offsets) on the host and the range of the page IDs
-its kernels may read. As torch operations that was 8 device operations before the one
-device-to-host copy; this kernel does it in one launch (launched directly after its first
-compile, like the decode kernels): 35-43 us of host time for the whole read against 90-96 us
-for the torch operations on the H200 machine's host at B=1-256
-(reports/nvidia-h200/2026-12-01/host_overhead.txt, "metadata read" rows, the same call).
+A validated ``run`` (and the one-shot op) checks the lengths, the packed query offsets and the
+page IDs its kernels will read: one launch of this kernel (launched directly after its first
+compile, like the decode kernels) and one device-to-host copy, instead of a chain of torch
+operations.
 
 Output (int32, one device-to-host copy): ``[lens (B) | qo_indptr (B+1, packed only) | per-program
 minimum page ID (R) | per-program maximum page ID (R)]`` with R = cdiv(B, BLOCK_ROWS). The host
-reduces the R minima and maxima. A program whose rows cover no column writes the empty
-reduction's values (INT32_MAX, INT32_MIN).
-
-Covered columns of row b: ``[0, min(C, cdiv(len_b, P)))`` for fixed lengths; with bound lengths
-the same ``covered_cols`` columns in every row, given by the host (from ``max_kv_len``) or, when
-``max_kv_len`` is left out, ``min(C, cdiv(max(lens), P))`` computed here.
+reduces the R minima and maxima. Row b's live columns are ``[0, min(C, cdiv(len_b, P)))``; a
+program whose rows have none writes the empty reduction's values (INT32_MAX, INT32_MIN).
 """
 
 from __future__ import annotations
@@ -23,38 +17,33 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import interpreter_active
+from ..device import INTERPRETER
 
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
 BLOCK_ROWS = 8  # block-table rows per program
 BLOCK_COLS = 256  # block-table columns per step of a program's loop
-BLOCK_LENS = 1024  # lengths per step when a program takes the longest length itself
 NUM_WARPS = 4
 
 
 # Every integer argument unspecialised: one compiled variant serves every batch size, table
-# width and page-ID range (a new specialisation would cost a compile inside plan()).
+# width and page-ID range (a new specialisation would cost a compile inside a validated run).
 @triton.jit(do_not_specialize=["batch_size", "num_cols", "stride_bt_row", "stride_seq_lens",
-                               "stride_qo_indptr", "covered_cols"])
-def _plan_metadata_kernel(
+                               "stride_qo_indptr"])
+def _metadata_kernel(
     # pointers (int32)
     block_tables_ptr, seq_lens_ptr, qo_indptr_ptr, out_ptr,
     # sizes and strides (elements)
     batch_size, num_cols, stride_bt_row, stride_seq_lens, stride_qo_indptr,
-    covered_cols,  # bound lengths: columns covered in every row (ignored when LONGEST_COVERS)
     # meta-parameters
     PAGE_SIZE: tl.constexpr,
-    BOUND: tl.constexpr,  # bind_seq_lens: the same columns in every row
-    LONGEST_COVERS: tl.constexpr,  # BOUND without max_kv_len: cover cdiv(max(lens), P) columns
     HAS_QO_INDPTR: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    BLOCK_LENS: tl.constexpr,
 ):
     """Program p: rows [p * BLOCK_ROWS, (p + 1) * BLOCK_ROWS) of the block table. Copies their
-    lengths (and offsets) into ``out`` and writes the min and max page ID over their covered
-    columns into ``out[B + indptr + p]`` and ``out[B + indptr + R + p]``."""
+    lengths (and offsets) into ``out`` and writes the min and max page ID over their live columns
+    into ``out[B + indptr + p]`` and ``out[B + indptr + R + p]``."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -70,20 +59,10 @@ def _plan_metadata_kernel(
             tl.store(out_ptr + 2 * batch_size, last)
         meta_base = 2 * batch_size + 1
 
-    if BOUND:
-        if LONGEST_COVERS:
-            longest = tl.max(tl.full([BLOCK_LENS], -1, dtype=tl.int32), axis=0)
-            for start in range(0, batch_size, BLOCK_LENS):
-                idx = start + tl.arange(0, BLOCK_LENS)
-                some = tl.load(seq_lens_ptr + idx.to(tl.int64) * stride_seq_lens, mask=idx < batch_size,
-                               other=-1)
-                longest = tl.maximum(longest, tl.max(some, axis=0))
-            covered_cols = (tl.maximum(longest, 0) + (PAGE_SIZE - 1)) // PAGE_SIZE
-        row_cols = tl.zeros([BLOCK_ROWS], dtype=tl.int32) + tl.minimum(covered_cols, num_cols)
-    else:
-        row_cols = tl.minimum((tl.maximum(lens, 0) + (PAGE_SIZE - 1)) // PAGE_SIZE, num_cols)
+    # Live columns of each row: its pages, at most the table's width (a length past C*P is
+    # reported by the host from the lengths).
+    row_cols = tl.minimum((tl.maximum(lens, 0) + (PAGE_SIZE - 1)) // PAGE_SIZE, num_cols)
     row_cols = tl.where(row_valid, row_cols, 0)
-
     lo = tl.full([BLOCK_ROWS, BLOCK_COLS], 2147483647, dtype=tl.int32)
     hi = tl.full([BLOCK_ROWS, BLOCK_COLS], -2147483648, dtype=tl.int32)
     row_ptrs = block_tables_ptr + rows.to(tl.int64) * stride_bt_row
@@ -99,7 +78,7 @@ def _plan_metadata_kernel(
 
 
 # Compiled variants by (device index, constexprs, pointer alignments): plan() launches them
-# directly, as the decode launcher does, instead of through triton's dispatch (35-43 us a call).
+# directly, as the decode launcher does, instead of through triton's dispatch.
 _COMPILED: dict[tuple, object] = {}
 _direct_broken = False  # a triton whose compiled-kernel launcher takes other arguments
 
@@ -109,16 +88,11 @@ def _output_buffer(numel: int, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=torch.int32, device=device)
 
 
-def read_plan_metadata(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor | None,
-    page_size: int, covered_cols: int | None, bind_seq_lens: bool,
-) -> tuple[list[int], list[int] | None, int, int]:
-    """(lens, qo_indptr values or None, min page ID, max page ID) with one device-to-host copy.
-
-    block_tables int32 [B, C] (contiguous rows), seq_lens int32 [B], qo_indptr int32 [B+1] or
-    None; covered_cols: with ``bind_seq_lens``, the columns covered in every row (None: from the
-    longest length). The min and max are meaningful only when every length is in [1, C*P].
-    """
+def read_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, qo_indptr: torch.Tensor | None,
+                  page_size: int) -> tuple[list[int], list[int] | None, int, int]:
+    """(lens, qo_indptr values or None, min page ID, max page ID over each row's live pages) with
+    one device-to-host copy. block_tables int32 [B, C] (contiguous rows), seq_lens int32 [B],
+    qo_indptr int32 [B+1] or None."""
     global _direct_broken
     batch, cols = block_tables.shape
     programs = triton.cdiv(batch, BLOCK_ROWS)
@@ -126,17 +100,13 @@ def read_plan_metadata(
     indptr_len = batch + 1 if has_indptr else 0
     out = _output_buffer(batch + indptr_len + 2 * programs, block_tables.device)
     indptr = qo_indptr if has_indptr else seq_lens  # an unread stand-in without offsets
-    longest_covers = bind_seq_lens and covered_cols is None
-    scalars = (batch, cols, block_tables.stride(0), seq_lens.stride(0),
-               indptr.stride(0), 0 if covered_cols is None else covered_cols)
-    constexprs = dict(
-        PAGE_SIZE=page_size, BOUND=bind_seq_lens, LONGEST_COVERS=longest_covers,
-        HAS_QO_INDPTR=has_indptr, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, BLOCK_LENS=BLOCK_LENS,
-    )
+    scalars = (batch, cols, block_tables.stride(0), seq_lens.stride(0), indptr.stride(0))
+    constexprs = dict(PAGE_SIZE=page_size, HAS_QO_INDPTR=has_indptr, BLOCK_ROWS=BLOCK_ROWS,
+                      BLOCK_COLS=BLOCK_COLS)
     tensors = (block_tables, seq_lens, indptr, out)
     device = block_tables.device
-    if device.type != "cuda" or interpreter_active():
-        _plan_metadata_kernel[(programs,)](*tensors, *scalars, **constexprs, num_warps=NUM_WARPS)
+    if device.type != "cuda" or INTERPRETER:
+        _metadata_kernel[(programs,)](*tensors, *scalars, **constexprs, num_warps=NUM_WARPS)
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (index, tuple(sorted(constexprs.items())), *(t.data_ptr() % 16 for t in tensors))
@@ -147,17 +117,16 @@ def read_plan_metadata(
             try:
                 # Every parameter in signature order, constexprs included (the launcher ignores
                 # their values: they are baked into the binary), pointers as integers.
-                tail = tuple(constexprs[n] for n in _plan_metadata_kernel.arg_names[len(tensors) + len(scalars):])
+                tail = tuple(constexprs[n] for n in _metadata_kernel.arg_names[len(tensors) + len(scalars):])
                 compiled[(programs, 1, 1)](*(t.data_ptr() for t in tensors), *scalars, *tail, stream=stream)
                 launched = True
             except TypeError:
                 _direct_broken = True
         if not launched:
-            compiled = _plan_metadata_kernel[(programs,)](*tensors, *scalars, **constexprs,
-                                                          num_warps=NUM_WARPS)
+            compiled = _metadata_kernel[(programs,)](*tensors, *scalars, **constexprs, num_warps=NUM_WARPS)
             if compiled is not None and not hasattr(compiled, "result") and not _direct_broken:
                 _COMPILED[key] = compiled
-    host = out.tolist()  # the plan's single host sync
+    host = out.tolist()  # the single host sync
     lens = host[:batch]
     indptr_host = host[batch:batch + indptr_len] if has_indptr else None
     base = batch + indptr_len

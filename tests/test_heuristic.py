@@ -1,0 +1,521 @@
+"""The config model (``tsdecode.config.heuristic``) and its residency counts
+(``tsdecode.config.residency``): properties on a broad sweep of shapes and GPUs, the model's
+steps on worked examples, and a regression guard against H200 timings that needs no GPU.
+
+The guard (``test_model_picks_stay_as_fast_as_today_on_the_h200_timings``) replaces re-tuning
+on a GPU after a heuristic change: it looks each pick up among measured configs and pins today's
+scores. A change that picks configs nobody measured fails its minimum count: measure them on an
+H200 (``scripts/sweep_configs.py``) and add the rows to ``tests/data/h200_timings.csv.gz``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import gzip
+import logging
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tsdecode import validation as V
+from tsdecode.config import heuristic as H
+from tsdecode.config import residency
+from tsdecode.config.heuristic import (
+    heuristic_config, num_kv_splits, occupancy, scale_splits_to_batch, scale_splits_to_raggedness, tile_family,
+)
+from tsdecode.config.residency import resident_programs_per_sm, split_kernel_resources
+from tsdecode.config.space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, fit_config
+from tsdecode.device import CPU_NAME, DeviceProperties
+
+DATA = Path(__file__).resolve().parent / "data" / "h200_timings.csv.gz"
+
+H200 = DeviceProperties(name="NVIDIA H200", sm_count=132, compute_capability=(9, 0), shared_memory_per_sm=233472)
+A100 = DeviceProperties(name="A100-like", sm_count=108, compute_capability=(8, 0), shared_memory_per_sm=167936)
+L40S = DeviceProperties(name="L40S-like", sm_count=142, compute_capability=(8, 9), shared_memory_per_sm=102400)
+TINY = DeviceProperties(name="tiny", sm_count=8, compute_capability=(8, 6), shared_memory_per_sm=102400)
+CPU = DeviceProperties(name=CPU_NAME, sm_count=2, compute_capability=(0, 0))
+GPUS = (H200, A100, L40S, TINY, CPU)
+FP8 = torch.float8_e4m3fn
+
+
+def make_shape(batch_size=8, kv_len=8192, **kw) -> ProblemShape:
+    args = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    args.update(kw)
+    return ProblemShape(batch_size=batch_size, max_kv_len=kv_len, **args)
+
+
+def _supported(q, kv, o) -> bool:
+    try:
+        V.resolve_dtypes(q, kv, o)
+    except NotImplementedError:
+        return False
+    return True
+
+
+DTYPES = [(q, kv, o) for q in V.Q_DTYPES for kv in V.KV_DTYPES for o in V.OUT_DTYPES + (FP8,)
+          if _supported(q, kv, o)]
+
+
+def random_shapes(n: int, seed: int = 0) -> list[ProblemShape]:
+    """Shapes from the whole support matrix: G 1..128, every head dim, P 1..1024, B 1..4096
+    and L 1..1M (log-uniform), every dtype combination, masks, windows, SQ > 1, packed queries
+    and ragged lengths."""
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(n):
+        g = rng.choice([1, 2, 4, 5, 8, 16, 32, 64, 128, rng.randint(1, 128)])
+        hkv = rng.choice([1, 2, 4, 8, 32])
+        kv_len = max(1, int(math.exp(rng.uniform(0, math.log(1 << 20)))))
+        mask = rng.choice(["dense", "causal", "windowed"])
+        q, kv, o = rng.choice(DTYPES)
+        shapes.append(ProblemShape(
+            batch_size=max(1, int(math.exp(rng.uniform(0, math.log(4096))))), num_qo_heads=g * hkv,
+            num_kv_heads=hkv, head_dim=rng.choice(V.SUPPORTED_HEAD_DIMS),
+            page_size=rng.choice([1, 2, 3, 8, 16, 24, 32, 64, 256, 1024, rng.randint(1, 1024)]),
+            max_kv_len=kv_len, max_seq_len_q=rng.choice([1, 1, 1, 2, 3, 4, 8, 16]),
+            packed=rng.random() < 0.15, mask_kind=mask, q_dtype=q, kv_dtype=kv, o_dtype=o,
+            kv_len_spread=rng.choice([1.0, 1.0, 1.05, 1.33, 2.5, 10.0]),
+            window_left=rng.randint(0, kv_len) if mask == "windowed" else -1))
+    return shapes
+
+
+SWEEP = random_shapes(1500)
+
+
+# ------------------------------------------------------------------------------------------------
+# Properties on a broad sweep
+# ------------------------------------------------------------------------------------------------
+
+
+def test_sweep_covers_the_support_matrix():
+    assert len(DTYPES) == 16  # q f16/bf16 with its own cache or fp8; fp8 q with fp8 output too
+    assert {s.head_dim for s in SWEEP} == set(V.SUPPORTED_HEAD_DIMS)
+    assert {s.mask_kind for s in SWEEP} == {"dense", "causal", "windowed"}
+    assert {(s.q_dtype, s.kv_dtype, s.o_dtype) for s in SWEEP} == set(DTYPES)
+    assert any(s.packed for s in SWEEP) and any(s.max_seq_len_q > 1 and not s.packed for s in SWEEP)
+    assert min(s.group_size for s in SWEEP) == 1 and max(s.group_size for s in SWEEP) == 128
+    assert max(s.max_kv_len for s in SWEEP) > 500_000 and max(s.batch_size for s in SWEEP) > 2000
+    families = {occupancy(s, H200).family for s in SWEEP}
+    assert families == {"lean", "wide", "short"}
+
+
+@pytest.mark.parametrize("device", GPUS, ids=lambda d: d.name)
+def test_heuristic_configs_are_valid_and_already_fitted(device):
+    for shape in SWEEP:
+        config = heuristic_config(shape, device)
+        config.validate()
+        assert fit_config(config, shape) == (config, ()), shape
+        assert config.num_kv_splits <= min(MAX_NUM_KV_SPLITS, shape.max_visible_tiles(config.block_n))
+        # ragged scaling then fitting (what a plan does) stays valid too
+        scaled, _ = scale_splits_to_raggedness(config, shape, device)
+        fit_config(scaled, shape)[0].validate()
+
+
+@pytest.mark.parametrize("device", GPUS, ids=lambda d: d.name)
+def test_tile_families(device):
+    """Lean (1 warp) for D <= 128 and <= 32 rows a KV head, wide (4 warps, ~16 KiB tiles) above,
+    short (4 warps, one tile a split) only for problems of at most 512 visible tokens."""
+    for shape in SWEEP:
+        config = heuristic_config(shape, device)
+        family = occupancy(shape, device).family
+        tokens = shape.max_visible_tiles(1)
+        if shape.block_d > 128 or shape.rows_per_kv_head > 32:
+            assert family == "wide", shape
+        elif tokens > H.SHORT_MAX_TOKENS:
+            assert family == "lean", shape
+        if family == "lean":
+            assert config.num_warps == 1 and config.num_stages in (3, 5)
+            tile = config.block_n * shape.block_d * shape.kv_dtype.itemsize
+            assert config.block_n in (16, 32) and tile <= 8192, shape
+        elif family == "wide":
+            assert (config.num_warps, config.num_stages) == (4, 2)
+            tile = config.block_n * shape.block_d * shape.kv_dtype.itemsize
+            # ~16 KiB of K/V a tile, at most 64 tokens at D <= 128
+            assert tile == H.WIDE_TILE_BYTES or config.block_n == 64, shape
+        else:
+            assert tokens <= H.SHORT_MAX_TOKENS and config.num_warps == 4
+            assert config.num_kv_splits == shape.max_visible_tiles(config.block_n)
+        assert config.block_m == min(64, max(16, 1 << (shape.rows_per_kv_head - 1).bit_length()))
+
+
+@pytest.mark.parametrize("device", GPUS, ids=lambda d: d.name)
+def test_splits_never_spill_into_a_second_wave_outside_the_long_rule_and_the_mend(device):
+    """Split programs fit one wave (resident per SM x SMs) unless the requests are long (the
+    unsplit programs reach half the target: the long-request rule) or one split already passed
+    a wave (the wave-mend); past one wave, long-rule splits keep >= 1024 tokens of the mean
+    request each and stop at about FULL_WAVES waves; mended splits stay <= MAX_MEND_SPLITS."""
+    sms = device.sm_count
+    past_one_wave = 0
+    for shape in SWEEP:
+        config = heuristic_config(shape, device)
+        occ = occupancy(shape, device)
+        splits, base = config.num_kv_splits, occ.base_programs
+        if splits == 1 or base * splits <= occ.resident * sms:
+            continue
+        past_one_wave += 1
+        long_rule = base >= occ.target * sms / 2
+        mended = base > occ.resident_one_split * sms
+        assert long_rule or mended, (shape, config, occ)
+        mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
+        if mended:
+            assert splits <= H.MAX_MEND_SPLITS, (shape, config, occ)
+        else:
+            assert splits * H.MIN_TOKENS_PER_LONG_SPLIT <= mean_tokens, (shape, config, occ)
+            assert base * (splits - 1) < H.FULL_WAVES * occ.resident * sms, (shape, config, occ)
+    assert past_one_wave > 0  # the sweep reaches both rules
+
+
+@pytest.mark.parametrize("device", GPUS, ids=lambda d: d.name)
+def test_ragged_scaling_stays_in_one_wave(device):
+    """Ragged lengths multiply the splits by the spread only where the scaled programs fit one
+    wave."""
+    for shape in SWEEP:
+        config = heuristic_config(shape, device)
+        scaled, notes = scale_splits_to_raggedness(config, shape, device)
+        if scaled == config:
+            continue
+        occ = occupancy(shape, device)
+        assert shape.kv_len_spread > 1.1 and notes
+        assert scaled.num_kv_splits > config.num_kv_splits
+        factor = min(shape.kv_len_spread, 4.0)
+        assert scaled.num_kv_splits == min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * factor))
+        # the unrounded count fits one wave (rounding up may pass it by less than one split)
+        assert occ.base_programs * config.num_kv_splits * factor <= occ.resident * device.sm_count, shape
+
+
+# ------------------------------------------------------------------------------------------------
+# The model's steps on worked examples (H200 unless said)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_lean_splits_reach_the_target_in_one_wave():
+    """B=1, G=4, D=128, 16-bit cache, page 16: 16-token lean tiles at 3 stages (4 rows: one tile
+    in flight), 8 KiB a K+V tile, so 64 KiB in flight is 8 programs an SM (12 fit): 8 base
+    programs x 132 splits = 8 per SM."""
+    shape = make_shape(1, 32768)
+    occ = occupancy(shape, H200)
+    assert (occ.family, occ.base_programs, occ.resident, occ.target) == ("lean", 8, 12, 8.0)
+    config = heuristic_config(shape, H200)
+    assert config == KernelConfig(block_n=16, block_m=16, num_kv_splits=132, num_warps=1, num_stages=3)
+    # 5+ rows: two tiles in flight (5 stages) and half the programs
+    wide_rows = occupancy(make_shape(1, 32768, num_qo_heads=64), H200)
+    assert (wide_rows.config.num_stages, wide_rows.target) == (5, 4.0)
+    # tiles that cross pages (page 24, 32-token tiles): at most half of what fits
+    crossing = occupancy(make_shape(1, 32768, page_size=24), H200)
+    assert crossing.config.block_n == 32 and crossing.target <= crossing.resident / 2
+    # the split bound: one request of 1M tokens asks 8 * 132 = 1056 splits, gets 1024
+    one_head = make_shape(1, 1 << 20, num_qo_heads=4, num_kv_heads=1)
+    assert heuristic_config(one_head, H200).num_kv_splits == MAX_NUM_KV_SPLITS
+
+
+def test_families_on_examples():
+    assert tile_family(make_shape(8, 8192), H200)[1] == "lean"
+    assert tile_family(make_shape(8, 8192, head_dim=192), H200)[1] == "wide"
+    assert tile_family(make_shape(8, 8192, num_qo_heads=8 * 64), H200)[1] == "wide"  # 64 rows
+    assert tile_family(make_shape(8, 8192, max_seq_len_q=16, mask_kind="causal"), H200)[1] == "wide"
+    assert tile_family(make_shape(8, 8192, num_qo_heads=8 * 32), H200)[1] == "lean"  # 32 rows
+    wide, _ = tile_family(make_shape(8, 8192, head_dim=256), H200)
+    assert (wide.block_n, wide.num_warps) == (32, 4)  # 32 x 256 x 2 bytes = 16 KiB
+    fp8, _ = tile_family(make_shape(8, 8192, kv_dtype=FP8), H200)
+    assert (fp8.block_n, fp8.num_stages) == (16, 5)  # 2 KiB fp8 tiles
+    # short: one request of 100 tokens cannot occupy 132 SMs with lean programs
+    short = heuristic_config(make_shape(1, 100, head_dim=64), H200)
+    assert (short.block_n, short.num_warps, short.num_kv_splits) == (128, 4, 1)
+    short = heuristic_config(make_shape(1, 300), H200)  # 8 programs x 19 tiles < 2 x 132
+    assert (short.block_n, short.num_warps, short.num_kv_splits) == (32, 4, 10)  # a tile a split
+    lean = heuristic_config(make_shape(2, 300), H200)  # 16 programs x 19 tiles: lean
+    assert lean.num_warps == 1
+
+
+def test_long_requests_split_into_about_four_waves():
+    """B=128 x Hkv=8 = 1024 unsplit programs reach half the target (528): split into about
+    ceil(4 waves x 1584 / 1024) = 7 while each split keeps >= 1024 tokens, less where the last
+    wave would be under WAVE_SATURATION full (7 splits: 4.53 waves, the last 53% full; 6: 3.88
+    waves, 88%); at 2048 tokens the token floor allows 2, whose last wave (1.29 waves, 29% full)
+    is barely used, so one split stays."""
+    assert math.ceil(H.FULL_WAVES * 12 * 132 / 1024) == 7
+    long = heuristic_config(make_shape(128, 65536), H200)
+    assert long.num_kv_splits == 6
+    assert heuristic_config(make_shape(128, 2048, kv_dtype=FP8), H200).num_kv_splits == 1
+    assert heuristic_config(make_shape(128, 1024 + 1023), H200).num_kv_splits == 1
+    ragged = make_shape(128, 65536, kv_len_spread=16.0)  # mean 4096 tokens: 4 splits (2.59 waves, 59%): 3
+    assert heuristic_config(ragged, H200).num_kv_splits == 3
+
+
+def test_one_split_programs_past_a_wave_take_the_fullest_waves():
+    """2048 one-split programs (B=256 x Hkv=8), 12 fit an SM: 1.29 waves, the second 29% full
+    but costing as much as a 60% full one; 2 splits run 2.59 waves for 3% more work: chosen. A
+    last wave at least WAVE_SATURATION full keeps one split."""
+    shape = make_shape(256, 1024)
+    occ = occupancy(shape, H200)
+    assert (occ.base_programs, occ.resident_one_split) == (2048, 12)
+    assert heuristic_config(shape, H200).num_kv_splits == 2
+    full = make_shape(int(132 * 12 * 1.8 / 8), 1024)
+    assert occupancy(full, H200).base_programs / (12 * 132) > 1 + H.WAVE_SATURATION
+    assert heuristic_config(full, H200).num_kv_splits == 1
+    for shape in SWEEP:  # the same on every swept shape the mend applies to
+        occ = occupancy(shape, H200)
+        per_wave = occ.resident_one_split * H200.sm_count
+        waves = occ.base_programs / per_wave
+        long_splits = min(math.ceil(H.FULL_WAVES * occ.resident * 132 / occ.base_programs),
+                          int(shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread) // 1024))
+        if occ.family != "short" and waves > 1 and waves % 1 >= H.WAVE_SATURATION and long_splits <= 1:
+            assert num_kv_splits(shape, occ, H200) == 1, shape
+
+
+def test_ragged_lengths_scale_the_splits():
+    """longest / mean = 4/3 multiplies the splits while the programs stay within one wave;
+    equal lengths, spreads below 1.1 or a batch past one wave keep them; at most 4x."""
+    config = KernelConfig(block_n=16, block_m=16, num_kv_splits=11, num_warps=1, num_stages=3)
+    ragged = make_shape(12, 5000, kv_len_spread=4 / 3)  # 96 programs, 1584 a wave
+    scaled, notes = scale_splits_to_raggedness(config, ragged, H200)
+    assert scaled.num_kv_splits == 15 and "ragged lengths" in notes[0] and "1584" in notes[0]
+    assert scale_splits_to_raggedness(config, make_shape(12, 5000), H200) == (config, ())
+    assert scale_splits_to_raggedness(config, make_shape(12, 5000, kv_len_spread=1.09), H200) == (config, ())
+    many = dataclasses.replace(config, num_kv_splits=16)  # 96 x 16 x 1.33 = 2048 > 1584
+    assert scale_splits_to_raggedness(many, ragged, H200) == (many, ())
+    spread = make_shape(1, 50000, kv_len_spread=50.0)
+    assert scale_splits_to_raggedness(config, spread, H200)[0].num_kv_splits == 44  # capped at 4x
+    # a smaller GPU's wave is smaller: 96 x 11 x 1.33 = 1408 > 7 x 142 = 994
+    assert scale_splits_to_raggedness(config, ragged, L40S) == (config, ())
+
+
+def test_scale_splits_to_batch_keeps_the_program_count():
+    tuned = KernelConfig(block_n=64, block_m=16, num_kv_splits=2)
+    scaled, notes = scale_splits_to_batch(tuned, 32, 16)
+    assert scaled.num_kv_splits == 4 and "scaled to keep its program count" in notes[0]
+    assert scale_splits_to_batch(tuned, 16, 16) == (tuned, ())
+    assert scale_splits_to_batch(tuned, 32, 128)[0].num_kv_splits == 1
+    assert scale_splits_to_batch(tuned, 4, 3)[0].num_kv_splits == 3  # round(2 * 4 / 3)
+    assert scale_splits_to_batch(dataclasses.replace(tuned, num_kv_splits=1000), 64, 1)[0].num_kv_splits == 1024
+
+
+def test_less_shared_memory_fits_fewer_programs_and_the_model_adapts():
+    """L40S-like (100 KiB shared memory an SM): 7 lean 3-stage programs fit at D=128 (12 on the
+    H200), so one request splits for 7 programs an SM, inside one wave."""
+    shape = make_shape(1, 32768)
+    lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=2, num_warps=1, num_stages=3)
+    assert resident_programs_per_sm(lean, shape, H200) == 12
+    assert resident_programs_per_sm(lean, shape, L40S) == 102400 // (12292 + 1024) == 7
+    config = heuristic_config(shape, L40S)
+    assert (config.block_n, config.num_warps, config.num_stages) == (16, 1, 3)
+    assert config.num_kv_splits == 124 == math.floor(7 * 142 / 8 + 0.5)
+    assert 8 * config.num_kv_splits <= 7 * 142
+    # long batches: fewer splits than on the H200 (4 waves of 7 x 142 = 994 programs)
+    assert heuristic_config(make_shape(128, 65536), L40S).num_kv_splits == 4
+    for shape in SWEEP:  # the same tiles (short aside: it counts SMs) never fit more programs
+        small, big = occupancy(shape, L40S), occupancy(shape, H200)
+        if small.config == big.config:
+            assert small.resident <= big.resident and small.resident_one_split <= big.resident_one_split
+
+
+# ------------------------------------------------------------------------------------------------
+# Residency: measured resources counted as CUDA does
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_residency():
+    residency._resource_table.cache_clear()
+    residency._resident.cache_clear()
+    yield
+    residency._resource_table.cache_clear()
+    residency._resident.cache_clear()
+
+
+@pytest.mark.parametrize("registers, warps, expected", [
+    (182, 1, 8),  # 5888 a warp: 2 in each 16K sub-partition, 8 a SM (not 65536 // 5888 = 11)
+    (168, 1, 12),  # 5376: 3 a sub-partition
+    (80, 1, 24),  # 2560: 6
+    (96, 2, 10),  # 3072: 5 a sub-partition, 20 warps
+    (255, 4, 2),  # 8192: 2 a sub-partition, 8 warps
+    (255, 8, 1),
+    (32, 1, 32),  # 64 warps would fit: capped at 32 programs a SM
+    (16, 4, 16),  # 64 warps a SM at most
+])
+def test_registers_are_allocated_per_sub_partition(registers, warps, expected, monkeypatch, fresh_residency):
+    monkeypatch.setattr(residency, "split_kernel_resources", lambda config, shape: (registers, 0))
+    config = KernelConfig(block_n=16, block_m=16, num_kv_splits=2, num_warps=warps, num_stages=3)
+    assert resident_programs_per_sm(config, make_shape(1, 1024), H200) == expected
+
+
+def test_measured_resources_and_the_shared_memory_bound(fresh_residency):
+    """Lean 1-warp 16-token programs at D=128: 168 registers (12 a SM); at 5 stages (two K/V
+    buffers) shared memory bounds them to 10; the direct-output kernel's 182 registers to 8."""
+    shape = make_shape(1, 1024)
+    lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=2, num_warps=1, num_stages=3)
+    deep = dataclasses.replace(lean, num_stages=5)
+    direct = dataclasses.replace(deep, num_kv_splits=1)
+    assert split_kernel_resources(lean, shape) == (168, 12292)
+    assert resident_programs_per_sm(lean, shape, H200) == 12
+    assert resident_programs_per_sm(deep, shape, H200) == 233472 // (20488 + 1024) == 10
+    assert split_kernel_resources(direct, shape) == (182, 20488)
+    assert resident_programs_per_sm(direct, shape, H200) == 8
+    assert resident_programs_per_sm(deep, shape, H200, one_split=True) == 8
+    assert resident_programs_per_sm(deep, shape, L40S) == 102400 // (20488 + 1024) == 4
+    big = KernelConfig(block_n=256, block_m=16, num_kv_splits=1, num_warps=8, num_stages=5)
+    assert resident_programs_per_sm(big, shape, H200) == 1  # never 0
+    d32 = make_shape(1, 1024, head_dim=32)  # D < 64 takes D=64's measurements
+    assert split_kernel_resources(lean, d32) == split_kernel_resources(lean, make_shape(1, 1024, head_dim=64))
+    rows = make_shape(1, 1024, num_qo_heads=8 * 24)  # 24 rows: the nearest measured G at or above
+    table = residency._resource_table()
+    measured = dict((g, (r, s)) for g, r, s in table[(2, 128, 16, 64, 4, 2, 1)])
+    wide = KernelConfig(block_n=64, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
+    above = min(g for g in measured if g >= 24) if any(g >= 24 for g in measured) else max(measured)
+    assert split_kernel_resources(wide, rows) == measured[above]
+
+
+def test_unmeasured_configs_take_a_conservative_bound(fresh_residency):
+    table = residency._resource_table()
+    assert len(table) > 1000
+    outside = KernelConfig(block_n=256, block_m=16, num_kv_splits=2, num_warps=4, num_stages=5)
+    assert (2, 128, 16, 256, 4, 5, 0) not in table
+    bound = 4096 + 16 * 128 * 6 + 2 * 2 * 256 * 128 * 2
+    assert split_kernel_resources(outside, make_shape(1, 1024)) == (255, bound)
+    # the bound is at least what every measured config of its tile uses
+    for (kv_bytes, block_d, block_m, block_n, _, stages, _), measured in table.items():
+        bound = 4096 + max(16, block_m) * block_d * 6 + (2 if stages >= 5 else 1) * 2 * block_n * block_d * kv_bytes
+        assert all(shared <= bound and registers <= 255 for _, registers, shared in measured)
+    # 4 stages take the 3-stage measurement where unmeasured, 1 stage the 2-stage one
+    for stages, stand_in in ((4, 3), (1, 2)):
+        config = KernelConfig(block_n=64, block_m=32, num_kv_splits=1, num_warps=4, num_stages=stages)
+        key = (2, 128, 32, 64, 4, stages, 1)
+        if key not in table:
+            shape = make_shape(1, 1024, num_qo_heads=8 * 32)
+            assert split_kernel_resources(config, shape) == split_kernel_resources(
+                dataclasses.replace(config, num_stages=stand_in), shape)
+
+
+class _FakeResources:
+    """Stands in for importlib.resources: the CSV reads as ``text``."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def files(self, package):
+        return self
+
+    def joinpath(self, *parts):
+        return self
+
+    def read_text(self, *args, **kw):
+        if isinstance(self.text, Exception):
+            raise self.text
+        return self.text
+
+
+@pytest.mark.parametrize("kind", ["missing file", "corrupt", "header only", "unreadable"])
+def test_an_unreadable_resource_csv_warns_once_and_falls_back(kind, monkeypatch, caplog, fresh_residency):
+    """A missing or corrupt resource table: one warning, then the conservative bound (255
+    registers: 2 one-warp programs a sub-partition, 8 a SM), never a crash."""
+    if kind == "missing file":
+        monkeypatch.setattr(residency, "RESOURCES_FILE", "no_such_file.csv")
+    else:
+        text = {"corrupt": "kv_bytes,block_d\n2,notanumber\n", "header only": "# nothing\nkv_bytes,block_d\n",
+                "unreadable": PermissionError("denied")}[kind]
+        monkeypatch.setattr(residency, "resources", _FakeResources(text))
+    caplog.set_level(logging.WARNING, logger="tsdecode")
+    lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=2, num_warps=1, num_stages=3)
+    assert resident_programs_per_sm(lean, make_shape(1, 64), H200) == 8
+    for shape in SWEEP[:200]:
+        heuristic_config(shape, H200).validate()
+    msgs = [r.getMessage() for r in caplog.records if r.name.startswith("tsdecode")]
+    assert len(msgs) == 1 and "conservative" in msgs[0], msgs
+
+
+# ------------------------------------------------------------------------------------------------
+# Regression guard: the model's picks against H200 timings (no GPU needed)
+# ------------------------------------------------------------------------------------------------
+
+# What today's model scores, per source (T: tuning-grid shapes, A: random off-grid shapes, H:
+# held-out ragged shapes, B and C: two more random off-grid sets with two configs a shape, the
+# previous rules' pick and a model's pick, B an earlier version's and C today's): shapes whose
+# pick was measured, geometric mean of pick / best measured, and the fraction of those within
+# 5% and within 10% of it.
+CURRENT = {
+    "T": dict(measured=158, geomean=1.0144, within5=0.911, within10=0.981),
+    "A": dict(measured=39, geomean=1.0789, within5=0.667, within10=0.769),
+    "H": dict(measured=7, geomean=1.0183, within5=1.0, within10=1.0),
+    "B": dict(measured=34, geomean=1.0170, within5=0.853, within10=0.941),
+    "C": dict(measured=40, geomean=1.0187, within5=0.875, within10=0.925),
+}
+GEOMEAN_MARGIN = 0.01
+FRACTION_MARGIN = 0.03
+# A pick counts as measured if a measured config has its tile, warps and stages and a split
+# count within this factor (the sweep measured split counts about a factor 1.26 apart).
+SPLITS_TOLERANCE = 1.26
+MIN_MEASURED = {"T": 155, "A": 35, "H": 6, "B": 32, "C": 38}
+CONFIG_FIELDS = ("block_n", "block_m", "num_kv_splits", "num_warps", "num_stages")
+
+
+def load_timings() -> dict[tuple[str, str], tuple[ProblemShape, dict[tuple[int, ...], float]]]:
+    """{(src, shape name): (shape, {config tuple: time_us})} from the committed CSV."""
+    with gzip.open(DATA, "rt") as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    groups: dict = {}
+    for r in rows:
+        key = (r["src"], r["shape"])
+        if key not in groups:
+            shape = ProblemShape(
+                batch_size=int(r["batch_size"]), max_kv_len=int(r["max_kv_len"]),
+                num_qo_heads=int(r["num_qo_heads"]), num_kv_heads=int(r["num_kv_heads"]),
+                head_dim=int(r["head_dim"]), page_size=int(r["page_size"]),
+                kv_dtype=getattr(torch, r["kv_dtype"]), window_left=int(r["window_left"]),
+                mask_kind=r["mask_kind"], kv_len_spread=float(r["spread"]))
+            groups[key] = (shape, {})
+        groups[key][1][tuple(int(r[k]) for k in CONFIG_FIELDS)] = float(r["time_us"])
+    return groups
+
+
+def model_pick(shape: ProblemShape) -> KernelConfig:
+    """What a plan without a table gets on the H200."""
+    config, _ = scale_splits_to_raggedness(heuristic_config(shape, H200), shape, H200)
+    return fit_config(config, shape)[0]
+
+
+def measured_time(config: KernelConfig, timings: dict[tuple[int, ...], float]) -> float | None:
+    near = [(abs(math.log(c[2] / config.num_kv_splits)), t) for c, t in timings.items()
+            if (c[0], c[1], c[3], c[4]) == (config.block_n, config.block_m, config.num_warps, config.num_stages)
+            and abs(math.log(c[2] / config.num_kv_splits)) <= math.log(SPLITS_TOLERANCE)]
+    return min(near)[1] if near else None
+
+
+def scores() -> dict[str, dict[str, float]]:
+    ratios: dict[str, list[float]] = {}
+    for (src, _), (shape, timings) in load_timings().items():
+        t = measured_time(model_pick(shape), timings)
+        ratios.setdefault(src, [])
+        if t is not None:
+            ratios[src].append(t / min(timings.values()))
+    return {src: dict(measured=len(r), geomean=math.exp(sum(map(math.log, r)) / len(r)),
+                      within5=sum(x <= 1.05 for x in r) / len(r), within10=sum(x <= 1.10 for x in r) / len(r))
+            for src, r in ratios.items()}
+
+
+def test_timings_file_is_small_and_complete():
+    assert DATA.stat().st_size < 200_000
+    groups = load_timings()
+    assert {src for src, _ in groups} == {"T", "A", "H", "B", "C"}
+    assert len(groups) >= 200 and sum(len(t) for _, t in groups.values()) > 5000
+    with gzip.open(DATA, "rt") as f:
+        assert f.readline().startswith("# NVIDIA H200 decode timings")
+
+
+def test_model_picks_stay_as_fast_as_today_on_the_h200_timings():
+    now = scores()
+    for src, pinned in CURRENT.items():
+        got = now[src]
+        print(f"{src}: {got['measured']} measured, geomean {got['geomean']:.4f}, within 5% "
+              f"{got['within5']:.1%}, within 10% {got['within10']:.1%} (pinned {pinned})")
+    for src, pinned in CURRENT.items():
+        got = now[src]
+        assert got["measured"] >= MIN_MEASURED[src], (
+            f"{src}: only {got['measured']} picks were measured: time the new picks on an H200 and "
+            f"add them to {DATA.name}")
+        assert got["geomean"] <= pinned["geomean"] + GEOMEAN_MARGIN, (src, got)
+        assert got["within5"] >= pinned["within5"] - FRACTION_MARGIN, (src, got)
+        assert got["within10"] >= pinned["within10"] - FRACTION_MARGIN, (src, got)

@@ -1,0 +1,195 @@
+"""The heuristic: a default ``KernelConfig`` for any shape, from the GPU's own properties.
+
+Decode is bandwidth-bound, so the config's job is to keep enough K/V bytes in flight on every SM
+without splitting a request's work more than that needs. The model, in three steps:
+
+1. Tile family (``tile_family``). One-warp programs of small K/V tiles ("lean") for head dims up
+   to 128 and up to 32 query rows a KV head; four-warp programs of ~16 KiB tiles ("wide") above
+   that; four-warp programs of one short tile each ("short") where the whole problem has too few
+   tiles to occupy the GPU with lean programs.
+2. Residency and target (``occupancy``). Programs of the family that fit an SM (measured
+   registers and shared memory against this GPU's), the K/V bytes each keeps in flight, and the
+   target: IN_FLIGHT_BYTES_PER_SM of loads in flight per SM, at most the programs that fit (half
+   of them when one-warp tiles cross pages: each token's page ID is then a dependent load that
+   no other warp of the program hides).
+3. Splits (``num_kv_splits``), one wave rule: split each request until its programs reach the
+   target in one wave; long requests that already reach half of it split further, into about
+   FULL_WAVES waves, which balance the SMs; no count leaves a last wave that few programs use
+   (under WAVE_SATURATION full), and one-split programs past a wave take the count whose last
+   wave is fullest for its cost.
+
+Where a shape needs a config this model does not give, that belongs in a tuned table entry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..device import DeviceProperties
+from .residency import resident_programs_per_sm
+from .space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, dot_block_m, fit_config
+
+# Loads in flight per SM that keep its share of DRAM bandwidth busy (bandwidth x latency).
+IN_FLIGHT_BYTES_PER_SM = 64 * 1024
+# Lean tiles: 32 tokens of a 16-bit cache, 2 KiB of an fp8 one (whose conversion cost grows with
+# the tile), 16 tokens where that keeps a tile inside one page and 32 would not.
+LEAN_TOKENS = 32
+LEAN_FP8_TILE_BYTES = 2048
+LEAN_MAX_HEAD_DIM = 128
+LEAN_MAX_ROWS = 32
+# Below this many query rows a page-aligned 16-bit lean tile keeps one tile in flight (3 stages):
+# a second pays only where each tile carries more rows' math.
+LEAN_DEEP_MIN_ROWS = 5
+WIDE_TILE_BYTES = 16 * 1024
+# "short": at most this many visible tokens, and fewer lean tiles in the whole problem than
+# SHORT_TILES_PER_SM per SM.
+SHORT_MAX_TOKENS = 512
+SHORT_TILES_PER_SM = 2
+SHORT_BLOCK_N = 32
+# Long requests: about FULL_WAVES waves of splits of at least MIN_TOKENS_PER_LONG_SPLIT tokens.
+FULL_WAVES = 4
+MIN_TOKENS_PER_LONG_SPLIT = 1024
+# One-split programs past one wave: a wave less than WAVE_SATURATION full costs as much as one
+# that full, and each split past the first costs SPLIT_COST more (partials and the merge).
+WAVE_SATURATION = 0.6
+SPLIT_COST = 0.03
+MAX_MEND_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """A tile family on one shape and GPU."""
+
+    config: KernelConfig  # num_kv_splits not chosen yet
+    family: str  # "lean", "wide" or "short"
+    base_programs: int  # programs of one split: B * Hkv * row blocks
+    resident_one_split: int  # programs per SM that fit at once, direct-output kernel
+    resident: int  # the same for the split kernel
+    target: float  # programs per SM that keep the loads in flight
+
+
+def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelConfig, str]:
+    """Step 1: the family's tile, warps and stages (num_kv_splits left at 1)."""
+    block_m = dot_block_m(shape.rows_per_kv_head)
+    kv_bytes, block_d = shape.kv_dtype.itemsize, shape.block_d
+    if block_d > LEAN_MAX_HEAD_DIM or shape.rows_per_kv_head > LEAN_MAX_ROWS:
+        block_n = min(64 if block_d <= LEAN_MAX_HEAD_DIM else 128,
+                      max(16, WIDE_TILE_BYTES // (block_d * kv_bytes)))
+        return KernelConfig(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2), "wide"
+    if kv_bytes == 1:
+        block_n, stages = max(16, LEAN_FP8_TILE_BYTES // block_d), 5
+    else:
+        page = shape.page_size
+        block_n = 16 if page % 16 == 0 and page % LEAN_TOKENS else LEAN_TOKENS
+        aligned = page % block_n == 0
+        stages = 3 if aligned and shape.rows_per_kv_head < LEAN_DEEP_MIN_ROWS else 5
+    base = _base_programs(shape, block_m)
+    tokens = shape.max_visible_tiles(1)
+    if tokens <= SHORT_MAX_TOKENS and base * shape.max_visible_tiles(block_n) < SHORT_TILES_PER_SM * device.sm_count:
+        block_n = 128 if tokens <= 128 else SHORT_BLOCK_N
+        return KernelConfig(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2), "short"
+    return KernelConfig(block_n=block_n, block_m=block_m, num_warps=1, num_stages=stages), "lean"
+
+
+def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
+    """Steps 1 and 2: the family, what fits an SM, and the target programs per SM."""
+    config, family = tile_family(shape, device)
+    resident = resident_programs_per_sm(config, shape, device, one_split=False)
+    one_split = resident_programs_per_sm(config, shape, device, one_split=True)
+    aligned = shape.page_size % config.block_n == 0
+    tiles_in_flight = 2 if config.num_stages >= 5 and aligned else 1
+    tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize  # a K and a V tile
+    wanted = IN_FLIGHT_BYTES_PER_SM / (tiles_in_flight * tile_bytes)
+    hidden = aligned or config.num_warps > 1  # page-ID loads of crossing tiles: other warps cover them
+    target = max(1.0, min(wanted, resident if hidden else resident / 2))
+    return Occupancy(config, family, _base_programs(shape, config.block_m), one_split, resident, target)
+
+
+def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) -> int:
+    """Step 3: the split count (before ``scale_splits_to_raggedness``)."""
+    sms = device.sm_count
+    base, resident = occ.base_programs, occ.resident
+    tiles = shape.max_visible_tiles(occ.config.block_n)
+    if occ.family == "short":  # one tile a split, or one split when a tile holds it all
+        return 1 if tiles == 1 else tiles
+    splits = max(1, math.floor(occ.target * sms / base + 0.5))
+    splits = min(splits, tiles)
+    if splits > 1 and base * splits > resident * sms:  # never spill into a second wave
+        splits = max(1, resident * sms // base)
+    if base >= occ.target * sms / 2:
+        mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
+        long_splits = min(math.ceil(FULL_WAVES * resident * sms / base),
+                          int(mean_tokens // MIN_TOKENS_PER_LONG_SPLIT))
+        while long_splits > 1 and _last_wave(base * long_splits / (resident * sms)) < WAVE_SATURATION:
+            long_splits -= 1  # a last wave that few programs use costs a whole wave
+        splits = max(splits, long_splits)
+    if splits == 1 and base > occ.resident_one_split * sms:
+        splits = _fullest_waves(base, occ, tiles, sms)
+    return min(splits, MAX_NUM_KV_SPLITS)
+
+
+def _last_wave(waves: float) -> float:
+    """How full the last of ``waves`` waves is (1.0 within one wave)."""
+    return 1.0 if waves <= 1 else waves - math.ceil(waves) + 1
+
+
+def _fullest_waves(base: int, occ: Occupancy, tiles: int, sms: int) -> int:
+    """The split count of lowest cost for programs past one wave: waves started over waves of
+    work, each wave counted at least WAVE_SATURATION full, times SPLIT_COST per extra split."""
+    best, best_cost = 1, math.inf
+    for splits in range(1, min(tiles, MAX_MEND_SPLITS) + 1):
+        per_wave = (occ.resident_one_split if splits == 1 else occ.resident) * sms
+        waves = base * splits / per_wave
+        started = math.ceil(waves) - 1 + max(_last_wave(waves), WAVE_SATURATION)
+        cost = started / waves * (1 + SPLIT_COST * (splits - 1))
+        if cost < best_cost - 1e-9:
+            best, best_cost = splits, cost
+    return best
+
+
+def heuristic_config(shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """The model's config for ``shape`` on ``device``, fitted to the shape."""
+    occ = occupancy(shape, device)
+    config = dataclasses.replace(occ.config, num_kv_splits=num_kv_splits(shape, occ, device))
+    return fit_config(config, shape)[0]
+
+
+def scale_splits_to_raggedness(config: KernelConfig, shape: ProblemShape,
+                               device: DeviceProperties) -> tuple[KernelConfig, tuple[str, ...]]:
+    """More splits for ragged fixed lengths (longest / mean = shape.kv_len_spread >= 1.1): in one
+    wave the kernel lasts as long as the longest request's split while the bytes are the mean's,
+    so splits grow by the spread (at most 4x) while the programs stay within one wave."""
+    factor = min(shape.kv_len_spread, 4.0)
+    if factor < 1.1:
+        return config, ()
+    base = _base_programs(shape, config.block_m)
+    wave = resident_programs_per_sm(config, shape, device, one_split=False) * device.sm_count
+    splits = min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * factor))
+    if base * config.num_kv_splits * factor > wave or splits == config.num_kv_splits:
+        return config, ()
+    note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: ragged lengths (longest / mean "
+            f"= {shape.kv_len_spread:.2f}) in one wave of {wave} programs")
+    return dataclasses.replace(config, num_kv_splits=splits), (note,)
+
+
+def scale_splits_to_batch(config: KernelConfig, tuned_batch_size: int,
+                          batch_size: int) -> tuple[KernelConfig, tuple[str, ...]]:
+    """Keep the program count of a config tuned at another batch size of its bucket."""
+    if tuned_batch_size == batch_size:
+        return config, ()
+    splits = max(1, min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * tuned_batch_size / batch_size)))
+    if splits == config.num_kv_splits:
+        return config, ()
+    note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: entry tuned at batch size "
+            f"{tuned_batch_size}, scaled to keep its program count at batch size {batch_size}")
+    return dataclasses.replace(config, num_kv_splits=splits), (note,)
+
+
+def _base_programs(shape: ProblemShape, block_m: int) -> int:
+    return shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // block_m)
+
+
+__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "heuristic_config",
+           "scale_splits_to_raggedness", "scale_splits_to_batch"]

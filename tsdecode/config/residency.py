@@ -1,0 +1,110 @@
+"""How many split-kernel programs fit one SM at once: measured resources, counted as CUDA does.
+
+Registers and shared memory per config come from ``data/split_kernel_resources.csv`` (measured
+from compiled kernels; ``scripts/occupancy.py --resources`` writes it). The count is CUDA's
+occupancy calculation with this GPU's shared memory and registers: registers go to warps in
+allocation units within each of the SM's register sub-partitions, shared memory per program
+plus a reserve, and hardware caps on warps and programs per SM.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from importlib import resources
+
+import torch
+
+from ..device import DeviceProperties
+from .space import KernelConfig, ProblemShape
+
+REGISTER_SUB_PARTITIONS = 4  # an SM's register files, one per warp scheduler (sm_70 to sm_90)
+REGISTER_ALLOCATION_UNIT = 256  # registers per warp are allocated in these units
+MAX_WARPS_PER_SM = 64
+MAX_PROGRAMS_PER_SM = 32  # thread blocks per SM
+SHARED_MEMORY_RESERVED_PER_PROGRAM = 1024  # the driver's reserve per thread block
+RESOURCES_FILE = "split_kernel_resources.csv"
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def _resource_table() -> dict[tuple[int, ...], list[tuple[int, int, int]]]:
+    """The CSV as {(kv_bytes, block_d, block_m, block_n, num_warps, num_stages, direct_out):
+    [(group_size, registers, shared_bytes), ...] sorted by group size}; empty, with one warning,
+    if it cannot be read (every config then takes the conservative bound)."""
+    table: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
+    try:
+        text = resources.files("tsdecode").joinpath("data", RESOURCES_FILE).read_text()
+        lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+        header = lines[0].strip().split(",")
+        for line in lines[1:]:
+            row = dict(zip(header, map(int, line.split(","))))
+            key = (row["kv_bytes"], row["block_d"], row["block_m"], row["block_n"], row["num_warps"],
+                   row["num_stages"], row["direct_out"])
+            table.setdefault(key, []).append((row["group_size"], row["registers"], row["shared_bytes"]))
+        if not table:
+            raise ValueError("no rows")
+    except (OSError, IndexError, KeyError, ValueError) as exc:
+        logger.warning("cannot read tsdecode/data/%s (%s: %s); residency per SM falls back to a "
+                       "conservative bound", RESOURCES_FILE, type(exc).__name__, exc)
+        return {}
+    for measured in table.values():
+        measured.sort()
+    return table
+
+
+def split_kernel_resources(config: KernelConfig, shape: ProblemShape) -> tuple[int, int]:
+    """(registers a thread, shared memory bytes) of the split kernel for ``config`` on ``shape``.
+
+    Measured at this K/V byte width, block_d (D <= 64 counts as 64), block_m, block_n, warps and
+    one split (the direct-output kernel) or more, at the nearest measured group size at or above
+    the shape's rows (else the largest); 4 stages take the 3-stage entry and 1 stage the 2-stage
+    one where unmeasured (their kernels match closely). A config outside the table takes 255
+    registers and more shared memory than any measured config of its tile, so it never fits more
+    programs than it can.
+    """
+    table = _resource_table()
+    block_d = max(64, shape.block_d)
+    direct = int(config.num_kv_splits == 1)
+    stand_in = {4: 3, 1: 2}.get(config.num_stages)
+    for stages in (config.num_stages,) + ((stand_in,) if stand_in else ()):
+        measured = table.get((shape.kv_dtype.itemsize, block_d, config.block_m, config.block_n,
+                              config.num_warps, stages, direct))
+        if measured:
+            rows = shape.rows_per_kv_head
+            return next((m for m in measured if m[0] >= rows), measured[-1])[1:]
+    buffers = 2 if config.num_stages >= 5 else 1  # K/V tile buffers (one K and one V tile each)
+    shared = (4096 + max(16, config.block_m) * block_d * 6
+              + buffers * 2 * config.block_n * block_d * shape.kv_dtype.itemsize)
+    return 255, shared
+
+
+def resident_programs_per_sm(config: KernelConfig, shape: ProblemShape, device: DeviceProperties,
+                             one_split: bool | None = None) -> int:
+    """Split-kernel programs of ``config`` that fit one SM of ``device`` at once (at least 1).
+
+    Depends on num_kv_splits only through one split (the direct-output kernel) or more;
+    ``one_split`` picks that kernel instead of config's own count.
+    """
+    if one_split is None:
+        one_split = config.num_kv_splits == 1
+    return _resident(shape.kv_dtype.itemsize, max(64, shape.block_d), shape.rows_per_kv_head,
+                     config.block_m, config.block_n, config.num_warps, config.num_stages, one_split,
+                     device.shared_memory_per_sm, device.registers_per_sm)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resident(kv_bytes: int, block_d: int, rows: int, block_m: int, block_n: int, num_warps: int,
+              num_stages: int, one_split: bool, shared_per_sm: int, registers_per_sm: int) -> int:
+    config = KernelConfig(block_n=block_n, block_m=block_m, num_kv_splits=1 if one_split else 2,
+                          num_warps=num_warps, num_stages=num_stages)
+    shape = ProblemShape(batch_size=1, num_qo_heads=rows, num_kv_heads=1, head_dim=block_d,
+                         page_size=16, max_kv_len=block_n,
+                         kv_dtype=torch.float8_e4m3fn if kv_bytes == 1 else torch.bfloat16)
+    registers, shared = split_kernel_resources(config, shape)
+    per_warp = -(-max(1, registers) * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
+    warps = REGISTER_SUB_PARTITIONS * ((registers_per_sm // REGISTER_SUB_PARTITIONS) // per_warp)
+    by_registers = min(warps, MAX_WARPS_PER_SM) // num_warps
+    by_shared = shared_per_sm // (shared + SHARED_MEMORY_RESERVED_PER_PROGRAM)
+    return max(1, min(by_registers, by_shared, MAX_PROGRAMS_PER_SM))

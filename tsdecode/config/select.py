@@ -1,0 +1,60 @@
+"""Config selection for a plan: an explicit config, else the tuned table's entry, else the model."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..device import DeviceProperties
+from . import tables
+from .heuristic import heuristic_config, scale_splits_to_batch, scale_splits_to_raggedness
+from .space import KernelConfig, ProblemShape, fit_config
+
+
+@dataclass(frozen=True)
+class SelectedConfig:
+    """The config a plan uses and where it came from.
+
+    source: "explicit" (``plan(config=...)``), "table" (a tuned entry) or "heuristic".
+    table_path / bucket: the table file and (batch_size, kv_len) bucket of a table entry.
+    adjustments: what was changed to fit this shape (splits scaled to the batch size or to
+    ragged lengths, ``fit_config``'s clamps) and notes on the table used.
+    """
+
+    kernel_config: KernelConfig
+    source: str
+    table_path: str | None = None
+    bucket: tuple[int, int] | None = None
+    adjustments: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        where = self.source
+        if self.table_path:
+            where += f" {self.table_path} bucket(batch_size, kv_len)={self.bucket}"
+        extra = f"; adjusted: {'; '.join(self.adjustments)}" if self.adjustments else ""
+        return f"{self.kernel_config} from {where}{extra}"
+
+
+def select_config(shape: ProblemShape, device: DeviceProperties, explicit: KernelConfig | None = None,
+                  *, config_dir: str | os.PathLike | None = None,
+                  trace: list[str] | None = None) -> SelectedConfig:
+    """Explicit config, else the tuned table entry for this GPU and shape, else the heuristic.
+
+    A table entry's splits are scaled to the batch size it was timed at and to ragged lengths;
+    the heuristic's to ragged lengths; every config is then fitted to the shape.
+    """
+    if explicit is not None:
+        if not isinstance(explicit, KernelConfig):
+            raise TypeError(f"config must be a tsdecode.KernelConfig, got {type(explicit).__name__}")
+        fitted, changes = fit_config(explicit, shape)
+        return SelectedConfig(fitted, "explicit", adjustments=changes)
+    hit = tables.lookup(shape, device, config_dir=config_dir, trace=trace)
+    if hit is not None:
+        config, scaled = scale_splits_to_batch(hit.kernel_config,
+                                               hit.entry.tuned_batch_size or hit.bucket[0], shape.batch_size)
+        config, ragged = scale_splits_to_raggedness(config, shape, device)
+        fitted, changes = fit_config(config, shape)
+        return SelectedConfig(fitted, "table", hit.table_path, hit.bucket, hit.notes + scaled + ragged + changes)
+    config, ragged = scale_splits_to_raggedness(heuristic_config(shape, device), shape, device)
+    fitted, changes = fit_config(config, shape)
+    return SelectedConfig(fitted, "heuristic", adjustments=ragged + changes)
