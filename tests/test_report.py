@@ -1,67 +1,79 @@
 """Reports (tuner/report.py): CSV schema and arithmetic, end-to-end CPU (interpreter) run,
-re-rendering, comparison mode, the implementation registry and the HTML in headless Chromium."""
+re-rendering, comparison mode, CSVs from elsewhere, the implementation registry and the HTML in
+headless Chromium."""
 
 from __future__ import annotations
 
 import csv
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-import tsdecode.api
-from tsdecode.configs import KernelConfig, SelectedConfig, device_num_sms, fit_config, heuristic_config
-from tsdecode.kernels.decode import interpreter_active
+from tsdecode.config import tables
+from tsdecode.config.space import KernelConfig, fit_config
+from tsdecode.config.tables import TableEntry
+from tsdecode.device import INTERPRETER, device_properties
 from tuner import html as H
 from tuner import impls as I
 from tuner import measure
 from tuner import report as R
 from tuner.grids import PRESETS, ShapeSpec
+from tuner.table_writer import merge_entries, table_path
 
 # Two of the smoke preset's shapes: the table below has an entry for the B=3 one only.
 FILTER = "^B1_L40_|^B3_L130_"
-TABLE_BATCH = 3
+TABLE_SPEC = ShapeSpec(3, 130, num_qo_heads=4, num_kv_heads=2, head_dim=64)
 TABLE_CONFIG = KernelConfig(block_n=16, block_m=2, num_kv_splits=2, num_warps=2, num_stages=1)
 
 needs_cpu_kernels = pytest.mark.skipif(
-    not interpreter_active(), reason="CPU runs need TRITON_INTERPRET=1 set before triton is imported"
+    not INTERPRETER, reason="CPU runs need TRITON_INTERPRET=1 set before triton is imported"
 )
 
 
-def fake_table(real_select):
-    """select_config with a 'tuned table' holding an entry for batch size TABLE_BATCH only (and
-    no other table, whatever this machine has)."""
+def write_cpu_table() -> Path:
+    """The CPU's table in the user cache folder, with an entry for TABLE_SPEC's bucket only."""
+    shape = TABLE_SPEC.to_problem_shape()
+    entry = TableEntry(TABLE_CONFIG, 10.0, 1.0, None, TABLE_CONFIG, 10.0, 1.0, tuned_batch_size=3)
+    path = table_path(device_properties("cpu"))
+    merge_entries(path, device_properties("cpu"),
+                  {tables.problem_class_key(shape): {tables.bucket_of(3, 130): entry}}, {})
+    return path
 
-    def select(shape, device, explicit=None):
-        if explicit is None and shape.batch_size == TABLE_BATCH:
-            fitted, changes = fit_config(TABLE_CONFIG, shape)
-            return SelectedConfig(fitted, "table", table_path="fake.json",
-                                  bucket=(shape.batch_size, shape.max_kv_len), adjustments=changes)
-        if explicit is None:  # whatever tables exist on this machine: none here
-            return SelectedConfig(heuristic_config(shape, device_num_sms(device)), "heuristic")
-        return real_select(shape, device, explicit)
 
-    return select
+@pytest.fixture(autouse=True)
+def _own_user_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(tables.CONFIG_DIR_ENV, raising=False)
+    tables.clear_cache()
 
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
-    """One end-to-end report over two tiny smoke shapes, on the CPU through the interpreter."""
-    if not interpreter_active():
+    """One end-to-end report over two tiny smoke shapes, on the CPU through the interpreter, with
+    a tuned table (in a user cache folder of its own) for one of them."""
+    if not INTERPRETER:
         pytest.skip("CPU runs need TRITON_INTERPRET=1 set before triton is imported")
     out = tmp_path_factory.mktemp("report")
     mp = pytest.MonkeyPatch()
-    mp.setattr(tsdecode.api, "select_config", fake_table(tsdecode.api.select_config))
+    mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+    mp.delenv(tables.CONFIG_DIR_ENV, raising=False)
+    mp.setattr(tables, "shipped_config_dir", lambda: None)
+    tables.clear_cache()
     try:
+        path = write_cpu_table()
         code = R.main(["--preset", "smoke", "--filter", FILTER, "--device", "cpu", "--out", str(out),
                        "--check-requests", "8"])
     finally:
         mp.undo()
-    return code, out
+        tables.clear_cache()
+    return code, out, path
 
 
 def load(out):
@@ -79,7 +91,7 @@ def close(a, b, rel=1e-6):
 
 
 def test_report_runs_and_writes_outputs(smoke_run):
-    code, out = smoke_run
+    code, out, _ = smoke_run
     assert code == 0
     assert (out / "results.csv").stat().st_size > 0
     page = (out / "report.html").read_text(encoding="utf-8")
@@ -91,13 +103,13 @@ def test_report_runs_and_writes_outputs(smoke_run):
 
 
 def test_csv_schema(smoke_run):
-    _, out = smoke_run
+    _, out, _ = smoke_run
     header, rows = load(out)
     for col in ("shape", *R.SPEC_FIELDS, "impl", "status", "time_us_median", "time_us_min",
                 "time_us_max", "bytes_moved", "achieved_gbs", "frac_copy_bw", "copy_bw_gbs",
                 "speedup_vs_heuristic", "speedup_vs_torch_sdpa", "speedup_vs_flex_attention",
                 "speedup_vs_flashinfer", "rel_error", "config", "config_source", "timing_method",
-                "gpu", "torch_version", "triton_version", "date"):
+                "device", "sm_count", "compute_capability", "torch_version", "triton_version", "date"):
         assert col in header, col
     assert len(header) == len(set(header))
     shapes = {r["shape"] for r in rows}
@@ -112,7 +124,7 @@ def test_csv_schema(smoke_run):
 
 
 def test_csv_numbers_consistent(smoke_run):
-    _, out = smoke_run
+    _, out, _ = smoke_run
     _, rows = load(out)
     by = {(r["shape"], r["impl"]): r for r in rows}
     for r in rows:
@@ -140,7 +152,7 @@ def test_csv_numbers_consistent(smoke_run):
 
 
 def test_tuned_rows_only_where_a_table_entry_exists(smoke_run):
-    _, out = smoke_run
+    _, out, path = smoke_run
     _, rows = load(out)
     for shape in {r["shape"] for r in rows}:
         spec = ShapeSpec(**{f: next(r for r in rows if r["shape"] == shape)[f] for f in R.SPEC_FIELDS})
@@ -148,19 +160,59 @@ def test_tuned_rows_only_where_a_table_entry_exists(smoke_run):
         heur = impls["heuristic"]
         assert heur["config_source"] == "heuristic"
         assert KernelConfig.from_dict(json.loads(heur["config"])).validate() is None
-        if spec.batch_size == TABLE_BATCH:
+        if spec == TABLE_SPEC:
             tuned = impls["tuned"]
             assert tuned["status"] == "ok" and tuned["config_source"] == "table"
             assert json.loads(tuned["config"]) == fit_config(TABLE_CONFIG, spec.to_problem_shape())[0].to_dict()
-            assert "fake.json" in tuned["config_note"]
+            assert str(path) in tuned["config_note"]
             assert close(tuned["speedup_vs_heuristic"], heur["time_us_median"] / tuned["time_us_median"])
         else:
             assert "tuned" not in impls  # no separate row: it would be the heuristic again
             assert "no tuned table entry" in heur["config_note"]
 
 
+def test_a_cpu_report_describes_the_cpu(smoke_run):
+    """Finding 2: rows and page name this machine's CPU and its cores, never an H200's SMs."""
+    _, out, _ = smoke_run
+    _, rows = load(out)
+    assert {(r["device"], r["sm_count"], r["compute_capability"]) for r in rows} == {
+        ("cpu (Triton interpreter)", os.cpu_count(), "0.0")}
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert f"&#x27;cpu (Triton interpreter)&#x27; ({os.cpu_count()} CPU cores)" in page
+    assert "SMs" not in page and "H200" not in page
+
+
+def test_report_names_config_fields(smoke_run):
+    """Finding 8: the page shows configs by KernelConfig's field names, as the tuner prints them."""
+    _, out, _ = smoke_run
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert "block_n=16 block_m=2 num_kv_splits=2 num_warps=2 num_stages=1" in page  # the tuned row
+    assert not re.search(r">n\d+ m\d+ ", page)
+
+
+@needs_cpu_kernels
+def test_report_without_out_writes_under_the_user_cache(tmp_path, monkeypatch, capsys):
+    """Finding 4: ``tsdecode-tune report`` run from a checkout writes nothing into it."""
+    cwd = tmp_path / "checkout"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    from tuner.cli import main
+
+    assert main(["report", "--preset", "smoke", "--filter", "^B1_L40_", "--impls", "heuristic"]) == 0
+    printed = capsys.readouterr().out
+    root = tables.user_config_dir().parent / "reports" / "cpu-triton-interpreter"
+    (folder,) = root.iterdir()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d{6}Z", folder.name)
+    assert sorted(p.name for p in folder.iterdir()) == ["report.html", "results.csv"]
+    assert f"wrote {folder / 'results.csv'} and {folder / 'report.html'}" in printed
+    assert list(cwd.iterdir()) == []
+    assert main(["report", "--compare", str(folder / "results.csv"), str(folder / "results.csv")]) == 0
+    (compare,) = (root.parent / "compare").iterdir()
+    assert f"wrote {compare / 'compare.html'}" in capsys.readouterr().out and list(cwd.iterdir()) == []
+
+
 def test_peers_skip_with_reason(smoke_run):
-    _, out = smoke_run
+    _, out, _ = smoke_run
     _, rows = load(out)
     fi = [r for r in rows if r["impl"] == "flashinfer"]
     assert len(fi) == 2
@@ -172,7 +224,7 @@ def test_peers_skip_with_reason(smoke_run):
 
 
 def test_from_csv_roundtrip_and_rerender(smoke_run, tmp_path):
-    _, out = smoke_run
+    _, out, _ = smoke_run
     rows = R.read_csv(out / "results.csv")
     R.write_csv(rows, tmp_path / "again.csv")
     assert R.read_csv(tmp_path / "again.csv") == rows
@@ -184,7 +236,7 @@ def test_from_csv_roundtrip_and_rerender(smoke_run, tmp_path):
 
 
 def test_compare_mode(smoke_run, tmp_path):
-    _, out = smoke_run
+    _, out, _ = smoke_run
     rows = R.read_csv(out / "results.csv")
     faster = []
     for r in rows:  # "B": every time halved, bandwidth doubled
@@ -224,6 +276,122 @@ def test_failed_shape_is_recorded_and_the_report_goes_on(tmp_path, monkeypatch):
                       (3, "heuristic"): "failed", (3, "torch_sdpa"): "failed"}
     assert all("MemoryError" in r["reason"] for r in rows if r["status"] == "failed")
     assert "pretend the pool does not fit" in (tmp_path / "report.html").read_text(encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# CSVs from elsewhere (--from-csv / --compare)
+
+
+def _report_rows() -> list[dict]:
+    """Two shapes x (heuristic, torch_sdpa), as a report run writes them (values invented)."""
+    rows = []
+    for b, t in ((1, 100.0), (3, 150.0)):
+        spec = ShapeSpec(b, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+        for impl, kind, scale in (("heuristic", "tsdecode", 1.0), ("torch_sdpa", "baseline", 2.0)):
+            us = t * scale
+            rows.append({
+                "shape": spec.name, **spec.to_dict(), "impl": impl, "impl_kind": kind,
+                "status": "ok", "timing_method": "cuda_graph", "copies": 1, "replays": 9,
+                "time_us_median": us, "time_us_min": 0.9 * us, "time_us_max": 1.1 * us,
+                "bytes_moved": 10**6, "achieved_gbs": 1e6 / us / 1e3, "copy_bw_gbs": 40.0,
+                "frac_copy_bw": 1e6 / us / 1e3 / 40.0, "rel_error": 1e-3, "tolerance": 2e-2,
+                "error_ok": True, "checked_requests": b, "device": "Test GPU", "sm_count": 132,
+                "compute_capability": "9.0",
+            })
+    return rows
+
+
+def _write_report_csv(path: Path, rows: list[dict], drop=()) -> Path:
+    cols = [c for c in R.columns_for(rows) if c not in drop]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([R._csv_value(r.get(c)) for c in cols])
+    return path
+
+
+def _report(argv, capsys) -> tuple[int, str]:
+    code = R.main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return code, err
+
+
+@pytest.mark.parametrize("change, code, message", [
+    ({}, 0, ""),
+    ({"rel_error": 0.5}, 1, "rel_error 5.00e-01 above 2e-02"),
+    ({"rel_error": None}, 0, ""),  # not checked: unknown, no problem
+    ({"status": "failed", "reason": None, "time_us_median": None}, 1, "failed (no reason recorded)"),
+], ids=["ok", "above_tolerance", "not_checked", "failed"])
+def test_report_from_csv_without_error_ok_derives_it(change, code, message, tmp_path, capsys):
+    rows = _report_rows()
+    rows[0].update(change)
+    for drop in ((), ("error_ok",)):  # an empty cell or no column: the same answer
+        if not drop:
+            rows[0]["error_ok"] = None
+        path = _write_report_csv(tmp_path / "results.csv", rows, drop)
+        got, err = _report(["--from-csv", str(path), "--out", str(tmp_path / "out")], capsys)
+        assert got == code, err
+        assert (message in err) if message else "tsdecode problem" not in err
+        assert err.count("tsdecode problem") == (1 if message else 0)
+
+
+def test_report_csv_without_required_columns_exits_2_naming_them(tmp_path, capsys):
+    good = _write_report_csv(tmp_path / "good.csv", _report_rows())
+    bad = _write_report_csv(tmp_path / "bad.csv", _report_rows(),
+                            drop=("kv_len", "frac_copy_bw", "time_us_min", "copy_bw_gbs"))
+    for argv in (["--from-csv", str(bad)], ["--compare", str(good), str(bad)]):
+        code, err = _report([*argv, "--out", str(tmp_path / "out")], capsys)
+        assert code == 2
+        assert f"{bad}: not a report CSV (missing column(s) ['kv_len', 'time_us_min', " \
+               "'copy_bw_gbs', 'frac_copy_bw'])" in err
+    rows = _report_rows()
+    rows[1]["batch_size"] = "8.0"
+    code, err = _report(["--from-csv", str(_write_report_csv(tmp_path / "int.csv", rows))], capsys)
+    assert code == 2 and "int.csv, line 3: column batch_size: expected an integer, got '8.0'" in err
+
+
+def test_report_rows_with_unusable_numbers_are_left_out_of_plots(tmp_path, capsys):
+    rows = _report_rows()
+    rows[0].update(time_us_median=float("nan"))
+    rows[1].update(time_us_median=-5.0)
+    rows[2].update(time_us_median=float("inf"), time_us_min=None)
+    rows[3].update(achieved_gbs=None, frac_copy_bw=float("nan"), time_us_min=None)
+    for r in rows:
+        r["copy_bw_gbs"] = None
+    path = _write_report_csv(tmp_path / "results.csv", rows)
+    good = _write_report_csv(tmp_path / "good.csv", _report_rows())
+    code, _ = _report(["--from-csv", str(path), "--out", str(tmp_path / "a")], capsys)
+    assert code == 0
+    page = (tmp_path / "a" / "report.html").read_text()
+    assert not re.search(r'\s[a-z0-9]+="[^"]*\b(nan|inf)\b', page)  # no SVG coordinate nan/inf
+    assert "not plotted on 1 shape(s): time_us_median nan is not a positive finite number" in page
+    assert "time_us_median -5.0 is not a positive finite number" in page
+    code, _ = _report(["--compare", str(good), str(path), "--out", str(tmp_path / "c")], capsys)
+    assert code == 0
+    assert not re.search(r'\s[a-z0-9]+="[^"]*\b(nan|inf)\b',
+                         (tmp_path / "c" / "compare.html").read_text())
+
+
+
+
+def test_report_csv_with_the_old_device_column_names_is_read(tmp_path, capsys):
+    """Reports written before the columns took tsdecode.device's names (gpu, num_sms) still
+    re-render and compare."""
+    rows = _report_rows()
+    path = tmp_path / "old.csv"
+    cols = [{"device": "gpu", "sm_count": "num_sms"}.get(c, c) for c in R.columns_for(rows)
+            if c != "compute_capability"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([R._csv_value(r.get({"gpu": "device", "num_sms": "sm_count"}.get(c, c))) for c in cols])
+    read = R.read_csv(path)
+    assert {(r["device"], r["sm_count"]) for r in read} == {("Test GPU", 132)}
+    code, _ = _report(["--from-csv", str(path), "--out", str(tmp_path / "out")], capsys)
+    assert code == 0 and "Test GPU" in (tmp_path / "out" / "report.html").read_text()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +522,7 @@ def _render(browser, page, tmp_path, name):
 
 def test_html_renders_in_chromium(smoke_run, tmp_path):
     browser = _chromium()
-    _, out = smoke_run
+    _, out, _ = smoke_run
     dom = _render(browser, out / "report.html", tmp_path, "report")
     assert dom.count("<svg") >= 4
     assert dom.count("<polyline") + dom.count("<circle") >= 2  # bandwidth plot has data
@@ -364,7 +532,7 @@ def test_html_renders_in_chromium(smoke_run, tmp_path):
 
 def test_compare_renders_in_chromium(smoke_run, tmp_path):
     browser = _chromium()
-    _, out = smoke_run
+    _, out, _ = smoke_run
     assert R.main(["--compare", str(out / "results.csv"), str(out / "results.csv"),
                    "--out", str(tmp_path)]) == 0
     dom = _render(browser, tmp_path / "compare.html", tmp_path, "compare")

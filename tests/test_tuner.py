@@ -1,12 +1,15 @@
-"""tsdecode-tune end to end on CPU (Triton interpreter): tables written and used, resume after a
-kill, pruning of broken candidates, duplicates after fitting, CLI errors, the search space.
+"""tsdecode-tune end to end on CPU (Triton interpreter): the table written to the user cache and
+used by plans, what the run prints, resume after a kill, pruning of broken candidates, duplicates
+after fitting, CLI errors, the search space.
 
 Timings in the interpreter mean nothing; these tests check the pipeline, not the winners.
 """
 
 from __future__ import annotations
 
-import csv
+import contextlib
+import io
+import json
 import os
 import re
 import shutil
@@ -16,32 +19,28 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import optuna
 import pytest
 import torch
 
-from tsdecode import BatchDecodePagedTSWrapper, tables
-from tsdecode.configs import KernelConfig, ProblemShape, fit_config, heuristic_config
+import tsdecode
+from tsdecode.config import tables
+from tsdecode.config.heuristic import heuristic_config
+from tsdecode.config.space import KernelConfig, ProblemShape, fit_config
+from tsdecode.config.tables import TableEntry
+from tsdecode.device import CPU_NAME, DeviceProperties, device_properties
 from tsdecode.reference import reference_decode
-from tuner import measure, search
+from tuner import measure, search, space, study
 from tuner.cli import main
-from tuner.grids import PRESETS, ShapeSpec
-from tuner.runner import plan_kwargs
-
-
-@pytest.fixture(autouse=True)
-def _restore_triton_interpret(monkeypatch):
-    """tuner.cli.select_device sets TRITON_INTERPRET in os.environ for CPU runs; restore the
-    variable after each test so later tests and their subprocesses see this process's mode."""
-    if "TRITON_INTERPRET" in os.environ:
-        monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
-    else:
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-        monkeypatch.delenv("TRITON_INTERPRET")  # recorded as absent: undo deletes it again
+from tuner.grids import DTYPES, PRESETS, ShapeSpec
+from tuner.table_writer import merge_entries
 
 REPO = Path(__file__).resolve().parent.parent
 HOOKS = f"{Path(__file__).resolve()}"
+CPU = device_properties("cpu")
+H200 = DeviceProperties("NVIDIA H200", 132, (9, 0))  # for the search space's arithmetic only
 # One tiny class: B in {1, 3}, L = 40, Hq=4, Hkv=2, D=64 (fast in the interpreter).
 TINY = ["--batch-sizes", "1", "--kv-lens", "40", "--heads", "4:2", "--head-dim", "64"]
 FAST = ["--no-progress", "--retime-rounds", "1", "--top-k", "1"]
@@ -49,6 +48,22 @@ FAST = ["--no-progress", "--retime-rounds", "1", "--top-k", "1"]
 # The interpreter tests need TRITON_INTERPRET=1 from conftest, i.e. no GPU; on a GPU machine
 # test_gpu_smoke_tuning_end_to_end runs the real thing instead.
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode (interpreter) tuner test")
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    """A user cache of the test's own, no $TSDECODE_CONFIG_DIR, and TRITON_INTERPRET restored
+    after the test (tuner.cli.select_device sets it for CPU runs)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(tables.CONFIG_DIR_ENV, raising=False)
+    if "TRITON_INTERPRET" in os.environ:
+        monkeypatch.setenv("TRITON_INTERPRET", os.environ["TRITON_INTERPRET"])
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        monkeypatch.delenv("TRITON_INTERPRET")  # recorded as absent: undo deletes it again
+    tables.clear_cache()
+    yield
+    tables.clear_cache()
 
 
 # ---- fault-injection hooks (loaded by file path in the worker and compile processes) --------
@@ -72,39 +87,39 @@ def broken_configs_hook(stage, spec, config, out=None):
 
 def slow_compile_hook(stage, spec, config, out=None):
     """Every config but the heuristic default compiles for 60 s."""
-    if stage == "compile" and config != heuristic_config(spec.to_problem_shape(), 132):
+    if stage == "compile" and config != heuristic_config(spec.to_problem_shape(), device_properties("cpu")):
         time.sleep(60)
 
 
 # ---- helpers --------------------------------------------------------------------------------
 
 
-def _records(out: Path, kind: str = "trial") -> list[dict]:
-    (jsonl,) = out.glob("*_trials.jsonl")
-    return [r for r in search.ResultLog.read(jsonl) if r.get("kind") == kind]
+def _records(work: Path, kind: str = "trial") -> list[dict]:
+    (jsonl,) = work.glob("*_trials.jsonl")
+    return [r for r in study.ResultLog.read(jsonl) if r.get("kind") == kind]
 
 
-def _studies(out: Path) -> list[optuna.Study]:
-    (db,) = out.glob("*_study.db")
-    storage = optuna.storages.RDBStorage(f"sqlite:///{db}")
+def _studies(work: Path) -> list[optuna.Study]:
+    """The bucket studies of the default storage (a journal file) in ``work``."""
+    (journal,) = work.glob("*_study.journal")
+    storage = study.open_storage(str(journal))
     return [optuna.load_study(study_name=s.study_name, storage=storage)
-            for s in optuna.get_all_study_summaries(storage)]
+            for s in optuna.get_all_study_summaries(storage) if not s.study_name.startswith("tsdecode-")]
 
 
-def _finished(study: optuna.Study):
-    return study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,
-                                                    optuna.trial.TrialState.PRUNED))
+def _finished(s: optuna.Study):
+    return s.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED))
 
 
-def _check_log_matches_storage(out: Path) -> None:
+def _check_log_matches_storage(work: Path) -> None:
     """Every finished trial is in the log once, and no fitted config was measured twice."""
-    recs = _records(out)
+    recs = _records(work)
     pairs = [(r["study"], r["trial"]) for r in recs]
     assert len(pairs) == len(set(pairs)), "a trial was logged twice"
-    for study in _studies(out):
-        finished = _finished(study)
-        logged = {r["trial"]: r for r in recs if r["study"] == study.study_name}
-        assert sorted(logged) == sorted(t.number for t in finished), study.study_name
+    for s in _studies(work):
+        finished = _finished(s)
+        logged = {r["trial"]: r for r in recs if r["study"] == s.study_name}
+        assert sorted(logged) == sorted(t.number for t in finished), s.study_name
         for t in finished:
             assert logged[t.number]["state"] == t.state.name
             if t.state.name == "COMPLETE":
@@ -113,77 +128,208 @@ def _check_log_matches_storage(out: Path) -> None:
         assert len(keys) == len(set(keys)), "a fitted config was measured twice"
 
 
-def _run(spec: ShapeSpec, device: str = "cpu"):
+def _plan_and_run(spec: ShapeSpec, device: str = "cpu"):
+    """A wrapper planned for ``spec`` the way a serving engine calls the public API (no config:
+    what the runtime picks), its output's error against the reference."""
     inp = measure.make_inputs(spec, device, copies=1, seed=3)[0]
-    w = BatchDecodePagedTSWrapper()
-    w.plan(inp.block_tables, inp.seq_lens, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
-           spec.page_size, qo_indptr=inp.qo_indptr, **plan_kwargs(spec))
-    out = w.run(inp.q, inp.cache)
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan(device, spec.batch_size, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
+           spec.kv_len, q_data_type=DTYPES[spec.q_dtype], seq_lens=inp.seq_lens.tolist())
+    out = w.run(inp.q, inp.cache, None, inp.block_tables)
     ref = reference_decode(inp.q, inp.cache, inp.block_tables, inp.seq_lens)
     return w, measure.relative_error(out, ref)
 
 
-# ---- end to end -----------------------------------------------------------------------------
+def _bare_tuner(out: Path) -> search.Tuner:
+    """A Tuner on ``out`` without a measuring client (storage and log only)."""
+    paths = study.OutputPaths.for_device(CPU.name, out)
+    return search.Tuner(search.TuneSettings(), client=None, device=CPU, copy_bandwidth_gbs=None, paths=paths,
+                        storage=study.open_storage(paths.storage), progress=False, heartbeat=study.Heartbeat(1, 60))
+
+
+def _dead_stamp() -> dict:
+    """The worker stamp of a process of this host that has exited."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return {"host": study.host_key(), "pid": proc.pid, "start": "0", "label": "gone"}
+
+
+def _main_captured(argv) -> tuple[int, str, str]:
+    """main(argv) with its stdout and stderr (also usable from module-scoped fixtures)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+# ---- the quick start: tsdecode-tune --preset smoke, defaults --------------------------------
+
+
+SMOKE = ["--preset", "smoke", "--trials", "3", "--isolation", "inline", *FAST]
 
 
 @pytest.fixture(scope="module")
-def smoke_out(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smoke")
-    rc = main(["--preset", "smoke", "--trials", "3", "--out", str(out), "--isolation", "inline", *FAST])
-    assert rc == 0
-    return out
+def smoke(tmp_path_factory):
+    """``tsdecode-tune --preset smoke`` with the default output, from an empty working folder,
+    with a user cache folder of its own."""
+    home, cwd = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("cwd")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CACHE_HOME", str(home))
+    mp.delenv(tables.CONFIG_DIR_ENV, raising=False)
+    mp.chdir(cwd)
+    try:
+        rc, out, err = _main_captured(SMOKE)
+    finally:
+        mp.undo()
+    user_dir = home / "tsdecode" / "tuned_configs"
+    return SimpleNamespace(rc=rc, out=out, err=err, home=home, cwd=cwd, user_dir=user_dir,
+                           table=user_dir / tables.table_filename(CPU_NAME), work=home / "tsdecode" / "tuning")
+
+
+@pytest.fixture
+def in_smoke_cache(smoke, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(smoke.home))
+    monkeypatch.chdir(smoke.cwd)
+    return smoke
 
 
 @cpu_only
-def test_smoke_tuning_writes_a_table_the_runtime_uses(smoke_out, monkeypatch):
-    (table_path,) = smoke_out.glob("*.json")
-    table = tables.load_table(table_path)
-    assert table is not None and not table.skipped
+def test_smoke_tune_writes_the_user_cache_table_that_plans_then_use(in_smoke_cache):
+    """Finding 1: the default output is the user cache folder, which plans on this device (the
+    CPU included) search without being told; the run's last lines say so."""
+    smoke = in_smoke_cache
+    assert smoke.rc == 0, smoke.err
+    assert smoke.table == tables.user_config_dir() / "cpu_Triton_interpreter.json"
+    table = tables.load_table(smoke.table)
+    assert table is not None and not table.skipped and not table.stale
     specs = PRESETS["smoke"]
     assert sum(len(b) for b in table.entries.values()) == len(specs)
     for entry in (e for b in table.entries.values() for e in b.values()):
         assert entry.time_us > 0 and entry.default_time_us > 0
-    assert (smoke_out / f"{table_path.stem}_trials.csv").stat().st_size > 0
-    _check_log_matches_storage(smoke_out)
-    for study in _studies(smoke_out):
-        assert study.user_attrs["final"]["ok"]
-        assert study.user_attrs["final"]["measured"] == 3
-        # the heuristic default is always measured first
-        first = study.trials[0]
-        spec_shape = [s for s in specs if study.study_name.startswith(
-            tables.problem_class_key(s.to_problem_shape()))]
+    last = smoke.err.strip().splitlines()[-2:]
+    assert last[0] == f"table: {smoke.table}"
+    assert last[1].startswith("plans on this device use it from now on: search order: $TSDECODE_CONFIG_DIR, "
+                              f"the user cache ({smoke.user_dir.resolve()}), the shipped tables")
+    assert "check with `tsdecode-tune explain --batch-size" in last[1]
+    for spec in specs:
+        w, err = _plan_and_run(spec)
+        assert w.config.source == "table", str(w.config)
+        assert w.config.table_path == str(smoke.table)
+        assert w.config.bucket == tables.bucket_of(spec.batch_size, spec.kv_len)
+        entry = table.entries[tables.problem_class_key(spec.to_problem_shape())][w.config.bucket]
+        assert w.config.kernel_config == entry.kernel_config, (str(w.config), spec)
+        assert err < measure.tolerance(spec)
+
+
+@cpu_only
+def test_smoke_tune_writes_nothing_into_the_working_folder(smoke):
+    """Finding 4: the quick start leaves the working folder (e.g. a checkout) alone; logs and the
+    study go under the user cache too."""
+    assert smoke.rc == 0 and list(smoke.cwd.iterdir()) == []
+    assert (smoke.work / "cpu_Triton_interpreter_trials.csv").stat().st_size > 0
+    assert f"trial log: {smoke.work / 'cpu_Triton_interpreter_trials.jsonl'}" in smoke.err
+    _check_log_matches_storage(smoke.work)
+    buckets = {f"{b.class_key}|B{b.bucket[0]}_L{b.bucket[1]}": b for b in search.group_buckets(PRESETS["smoke"])}
+    studies = _studies(smoke.work)
+    assert sorted(s.study_name.rsplit("|", 1)[0] for s in studies) == sorted(buckets)
+    for s in studies:
+        assert s.user_attrs["final"]["ok"] and s.user_attrs["final"]["measured"] == 3
+        first = s.trials[0]  # the heuristic default is always measured first
         assert first.user_attrs["measured"] and first.state.name == "COMPLETE"
-        assert spec_shape
-
-    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(smoke_out))
-    tables.clear_cache()
-    try:
-        for spec in specs:
-            w, err = _run(spec)
-            assert w.config.source == "table", str(w.config)
-            assert w.config.bucket == tables.bucket_of(spec.batch_size, spec.kv_len)
-            entry = table.entries[tables.problem_class_key(spec.to_problem_shape())][w.config.bucket]
-            assert w.config.kernel_config == entry.kernel_config, (str(w.config), spec)
-            assert err < measure.tolerance(spec)
-    finally:
-        tables.clear_cache()
+        bucket = buckets[s.study_name.rsplit("|", 1)[0]]
+        assert first.user_attrs["config"] == heuristic_config(bucket.shape, CPU).to_dict()
 
 
 @cpu_only
-def test_rerun_of_a_finished_run_measures_nothing(smoke_out, capsys):
-    before = len(_records(smoke_out))
-    assert main(["--preset", "smoke", "--trials", "3", "--out", str(smoke_out), "--isolation", "inline", *FAST]) == 0
-    assert len(_records(smoke_out)) == before
-    assert "already tuned" in capsys.readouterr().err
+def test_cpu_run_describes_the_cpu_not_an_h200(smoke):
+    """Finding 2: output, table JSON and log describe this machine's CPU (name, cores)."""
+    cores = os.cpu_count()
+    assert f"device: 'cpu (Triton interpreter)' ({cores} CPU cores)" in smoke.err
+    assert "SMs" not in smoke.err and "SMs" not in smoke.out  # (timings may hold any digits)
+    data = json.loads(smoke.table.read_text())
+    assert data["device"] == {"name": "cpu (Triton interpreter)", "sm_count": cores,
+                              "compute_capability": [0, 0], "total_memory": 0}
+    (run,) = _records(smoke.work, "run")
+    assert run["device"] == data["device"] and run["device_name"] == "cpu (Triton interpreter)"
 
 
 @cpu_only
-def test_explain_subcommand_reads_the_table(smoke_out, capsys):
-    rc = main(["explain", "--batch-size", "3", "--kv-len", "130", "--heads", "4:2", "--head-dim", "64",
-               "--config-dir", str(smoke_out)])
+def test_search_says_the_winner_was_retimed(smoke):
+    """Finding 3: the best trial's time and the winner's are told apart."""
+    lines = [ln for ln in smoke.err.splitlines() if "re-timed winner" in ln]
+    assert len(lines) == len(PRESETS["smoke"])
+    for line in lines:
+        assert re.fullmatch(r"  best trial [\d.]+ us \(one short timing each\); re-timed winner "
+                            r"block_n=\d+ block_m=\d+ num_kv_splits=\d+ num_warps=\d+ num_stages=\d+: [\d.]+ us "
+                            r"\(median of 1 interleaved round with [12] finalists?; .*\)", line), line
+
+
+@cpu_only
+def test_configs_are_printed_by_their_field_names(smoke):
+    """Finding 8: no unexplained codes (n16 m16 s4 w1 st5): KernelConfig's field names in the
+    output, the summary table and the trials CSV."""
+    for text in (smoke.err, smoke.out):
+        assert "num_kv_splits=" in text
+        assert not re.search(r"\bn\d+[ _]m\d+[ _]s\d+", text) and not re.search(r"\bst\d+\b", text)
+    assert "block_n=" in smoke.out and "num_stages=" in smoke.out  # the summary table
+    header = (smoke.work / "cpu_Triton_interpreter_trials.csv").read_text().splitlines()[0].split(",")
+    assert {"block_n", "block_m", "num_kv_splits", "num_warps", "num_stages"} <= set(header)
+    for rec in _records(smoke.work):
+        assert rec["key"] == " ".join(f"{k}={v}" for k, v in rec["config"].items())
+
+
+@cpu_only
+def test_rerun_of_a_finished_run_measures_nothing(in_smoke_cache):
+    before = len(_records(in_smoke_cache.work))
+    rc, _, err = _main_captured(SMOKE)
+    assert rc == 0
+    assert len(_records(in_smoke_cache.work)) == before
+    assert err.count("already tuned") == len(PRESETS["smoke"])
+
+
+@cpu_only
+def test_explain_subcommand_reads_the_user_cache_table(in_smoke_cache, capsys):
+    rc = main(["explain", "--batch-size", "3", "--kv-len", "130", "--heads", "4:2", "--head-dim", "64"])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "source: table" in text and "bucket (4, 256)" in text
+    assert f"source: table {in_smoke_cache.table}" in text and "bucket (4, 256)" in text
+    assert f"({os.cpu_count()} CPU cores)" in text
+
+
+@cpu_only
+def test_out_folder_says_how_to_point_the_runtime_at_it(tmp_path, monkeypatch):
+    out = tmp_path / "elsewhere"
+    rc, _, err = _main_captured([*TINY, "--trials", "1", "--out", str(out), "--isolation", "inline", *FAST])
+    assert rc == 0
+    table = out / "cpu_Triton_interpreter.json"
+    last = err.strip().splitlines()[-1]
+    assert err.strip().splitlines()[-2] == f"table: {table}"
+    assert f"set TSDECODE_CONFIG_DIR={out.resolve()}" in last and "plans do not search" in last
+    assert not tables.user_config_dir().exists()  # nothing in the user cache
+    w, _ = _plan_and_run(ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64))
+    assert w.config.source == "heuristic"
+    explain = ["explain", "--batch-size", "1", "--kv-len", "40", "--heads", "4:2", "--head-dim", "64"]
+    rc, text, _ = _main_captured([*explain, "--config-dir", str(out)])
+    assert rc == 0 and f"source: table {table}" in text
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(out.resolve()))
+    w, _ = _plan_and_run(ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64))
+    assert w.config.source == "table" and w.config.table_path == str(out.resolve() / table.name)
+
+
+def test_without_the_tune_extra_one_line_and_exit_2(tmp_path):
+    """Finding 5: optuna missing (an ``optuna`` module that fails to import, first on the path):
+    one line naming the install command, exit code 2, no traceback."""
+    fake = tmp_path / "no_optuna"
+    fake.mkdir()
+    (fake / "optuna.py").write_text("raise ImportError(\"No module named 'optuna'\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), str(REPO)]),
+           "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "tuner", "--preset", "smoke"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    assert 'pip install "tsdecode[tune]"' in r.stderr and "optuna" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "cache").exists()
 
 
 # ---- resume ---------------------------------------------------------------------------------
@@ -192,9 +338,10 @@ def test_explain_subcommand_reads_the_table(smoke_out, capsys):
 @cpu_only
 def test_resume_after_kill_loses_and_repeats_nothing(tmp_path):
     out = tmp_path / "resume"
-    args = [*TINY, "--batch-sizes", "1,3", "--trials", "6", "--block-m", "2,16",
-            "--num-kv-splits", "1,2", "--num-warps", "4", "--num-stages", "2", "--out", str(out), *FAST]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])), "TRITON_INTERPRET": "1"}
+    args = [*TINY, "--batch-sizes", "1,3", "--trials", "6", "--block-m", "2,16", "--num-kv-splits", "1,2",
+            "--num-warps", "4", "--num-stages", "2", "--out", str(out), *FAST]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TRITON_INTERPRET": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tuner", *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -228,45 +375,39 @@ def test_resume_after_kill_loses_and_repeats_nothing(tmp_path):
     _check_log_matches_storage(out)
     finals = _records(out, "final")
     assert len(finals) == 2 and all(f["ok"] for f in finals)
-    for study in _studies(out):
-        measured = [t for t in _finished(study) if t.user_attrs["measured"]]
-        assert len(measured) == 6
+    for s in _studies(out):
+        assert len([t for t in _finished(s) if t.user_attrs["measured"]]) == 6
         # the interrupted run's trials are kept (with their results), none is measured again
-        old = {r["trial"]: r for r in before if r["study"] == study.study_name}
-        for n, rec in old.items():
-            t = study.trials[n]
+        for n, rec in {r["trial"]: r for r in before if r["study"] == s.study_name}.items():
+            t = s.trials[n]
             assert t.state.name == rec["state"] and t.user_attrs["key"] == rec["key"]
 
 
 @cpu_only
 def test_recover_completes_a_running_trial_from_the_log(tmp_path):
-    """A crash between logging a result and telling the study: the log completes the trial."""
-    info = tables.DeviceInfo("CPU Triton interpreter", 132, (0, 0), 0)
-    paths = search.OutputPaths.for_device(tmp_path, info.name, None)
-    tuner = search.Tuner(search.TuneSettings(), client=None, device_info=info,
-                         copy_bandwidth_gbs=None, paths=paths, progress=False)
+    """A crash between logging a result and telling the study: the log completes the trial; a
+    trial whose worker died without a result is failed and queued again; a live worker's trial
+    is left alone."""
+    tuner = _bare_tuner(tmp_path)
     try:
-        study = optuna.create_study(storage=tuner.storage, study_name="s")
-        dist = {"block_n": optuna.distributions.CategoricalDistribution([64])}
-        done, lost = study.ask(dist), study.ask(dist)
-        cfg = KernelConfig().to_dict()
+        s = optuna.create_study(storage=tuner.storage, study_name="s")
+        dists = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in KernelConfig().to_dict().items()}
+        done, lost, live = s.ask(dists), s.ask(dists), s.ask(dists)
+        for t in (done, lost):
+            t.set_user_attr("worker", _dead_stamp())
+        live.set_user_attr("worker", study.worker_stamp())
         tuner.log.write({"kind": "trial", "study": "s", "trial": done.number, "state": "COMPLETE",
-                         "time_us": 12.5, "key": "k", "config": cfg, "measured": True})
-        tuner._recover(study, "s")
-        trials = study.get_trials(deepcopy=False)
+                         "time_us": 12.5, "key": "k", "config": KernelConfig().to_dict(), "measured": True})
+        assert tuner._recover(s, "s") == [lost.number]
+        trials = s.get_trials(deepcopy=False)
         assert trials[done.number].state.name == "COMPLETE" and trials[done.number].value == 12.5
         assert trials[done.number].user_attrs["key"] == "k"
-        assert trials[lost.number].state.name == "FAIL"
+        assert trials[lost.number].state.name == "FAIL" and trials[lost.number].user_attrs["interrupted"]
+        assert trials[live.number].state.name == "RUNNING"
+        (again,) = [t for t in trials if t.state.name == "WAITING"]
+        assert again.user_attrs["retry_of"] == lost.number and again.system_attrs["fixed_params"] == lost.params
     finally:
         tuner.close()
-
-
-def _bare_tuner(out: Path) -> search.Tuner:
-    """A Tuner on ``out`` without a measuring client (storage, log and run lock only)."""
-    info = tables.DeviceInfo("CPU Triton interpreter", 132, (0, 0), 0)
-    paths = search.OutputPaths.for_device(out, info.name, None)
-    return search.Tuner(search.TuneSettings(), client=None, device_info=info,
-                        copy_bandwidth_gbs=None, paths=paths, progress=False)
 
 
 @cpu_only
@@ -275,64 +416,63 @@ def test_recover_ignores_trial_records_from_before_a_storage_reset(tmp_path):
     new trial 0 that a crash left RUNNING."""
     tuner = _bare_tuner(tmp_path)
     try:
-        cfg = KernelConfig().to_dict()
         tuner.log.write({"kind": "trial", "study": "s", "trial": 0, "state": "COMPLETE",
-                         "time_us": 12.5, "key": "k", "config": cfg, "measured": True})
+                         "time_us": 12.5, "key": "k", "config": KernelConfig().to_dict(), "measured": True})
         tuner.log.write({"kind": "storage_reset", "storage": "x", "moved_to": "y"})
-        study = optuna.create_study(storage=tuner.storage, study_name="s")
-        trial = study.ask({"block_n": optuna.distributions.CategoricalDistribution([64])})
-        tuner._recover(study, "s")
-        assert study.get_trials(deepcopy=False)[trial.number].state.name == "FAIL"
+        s = optuna.create_study(storage=tuner.storage, study_name="s")
+        trial = s.ask({"block_n": optuna.distributions.CategoricalDistribution([64])})
+        trial.set_user_attr("worker", _dead_stamp())
+        tuner._recover(s, "s")
+        assert s.get_trials(deepcopy=False)[trial.number].state.name == "FAIL"
     finally:
         tuner.close()
 
 
 def test_result_log_skips_damaged_lines(tmp_path):
     path = tmp_path / "log.jsonl"
-    path.write_bytes(b'{"kind": "run"}\n\xff\xfe junk\n5\n[1]\n{"kind": "trial", "tri\n'
-                     b'{"kind": "final"}\n')
-    assert search.ResultLog.read(path) == [{"kind": "run"}, {"kind": "final"}]
+    path.write_bytes(b'{"kind": "run"}\n\xff\xfe junk\n5\n[1]\n{"kind": "trial", "tri\n{"kind": "final"}\n')
+    assert study.ResultLog.read(path) == [{"kind": "run"}, {"kind": "final"}]
 
 
 @cpu_only
 def test_a_second_tuner_on_the_same_study_exits_2(tmp_path, capsys):
-    """One run per study storage: the second neither touches the first's RUNNING trials nor
-    races it creating the DB. The lock dies with its holder: a leftover lock file is harmless."""
-    first = _bare_tuner(tmp_path)
+    """One run (``tune``) per study storage: the second neither touches the first's RUNNING
+    trials nor races it creating the storage. The lock dies with its holder: a leftover lock
+    file is harmless. (Workers joining the run's job take no such lock.)"""
+    paths = study.OutputPaths.for_device(CPU.name, tmp_path)
+    first = study.lock_study(paths)
     try:
-        study = optuna.create_study(storage=first.storage, study_name="s")
-        live = study.ask({"block_n": optuna.distributions.CategoricalDistribution([64])})
-        with pytest.raises(search.StudyBusy, match="another tuner is using .*_study.db"):
-            _bare_tuner(tmp_path)
-        assert main([*TINY, "--trials", "2", "--out", str(tmp_path), "--isolation", "inline",
-                     *FAST]) == 2
+        s = optuna.create_study(storage=study.open_storage(paths.storage), study_name="s")
+        live = s.ask({"block_n": optuna.distributions.CategoricalDistribution([64])})
+        with pytest.raises(study.StudyBusy, match="another tuner is using .*_study.journal"):
+            study.lock_study(paths)
+        assert main([*TINY, "--trials", "2", "--out", str(tmp_path), "--isolation", "inline", *FAST]) == 2
         err = capsys.readouterr().err
         assert "tsdecode-tune: error: another tuner is using" in err and "different --out" in err
-        assert "Traceback" not in err and not _records(tmp_path)
-        assert study.get_trials(deepcopy=False)[live.number].state.name == "RUNNING"
+        assert "Traceback" not in err and not list(tmp_path.glob("*_trials.jsonl"))
+        assert s.get_trials(deepcopy=False)[live.number].state.name == "RUNNING"
     finally:
-        first.close()
-    assert first.paths.lock.exists()
-    _bare_tuner(tmp_path).close()  # released on close; the file left behind blocks nothing
-    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time; "
-                               "f = open(sys.argv[1], 'a+b'); fcntl.flock(f, fcntl.LOCK_EX); "
-                               "os.kill(os.getpid(), 9)", str(first.paths.lock)])
+        first.release()
+    assert paths.lock.exists()
+    study.lock_study(paths).release()  # released; the file left behind blocks nothing
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; f = open(sys.argv[1], 'a+b'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); os.kill(os.getpid(), 9)", str(paths.lock)])
     assert holder.wait(timeout=60) == -signal.SIGKILL
-    _bare_tuner(tmp_path).close()  # a killed holder's lock is gone with it
+    study.lock_study(paths).release()  # a killed holder's lock is gone with it
 
 
 @cpu_only
-def test_corrupt_study_db_is_moved_aside_and_finished_buckets_are_kept(smoke_out, tmp_path,
-                                                                        capsys):
+def test_corrupt_study_db_is_moved_aside_and_finished_buckets_are_kept(smoke, tmp_path, capsys):
     out = tmp_path / "copy"
-    shutil.copytree(smoke_out, out)
-    (db,) = out.glob("*_study.db")
+    shutil.copytree(smoke.work, out)
+    shutil.copy(smoke.table, out)
+    (db,) = out.glob("*_study.journal")
     db.write_bytes(os.urandom(4096))
     before = _records(out)
-    argv = ["--preset", "smoke", "--trials", "3", "--out", str(out), "--isolation", "inline", *FAST]
+    argv = [*SMOKE, "--out", str(out)]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    (aside,) = out.glob("*_study.db.corrupt-*")
+    (aside,) = out.glob("*_study.journal.corrupt-*")
     assert err.count("warning: study storage") == 1 and str(aside) in err and "Traceback" not in err
     assert err.count("already tuned") == len(PRESETS["smoke"])  # from the log: nothing re-tuned
     assert _records(out) == before  # nothing measured again
@@ -350,8 +490,8 @@ def test_corrupt_study_db_is_moved_aside_and_finished_buckets_are_kept(smoke_out
 def _grid_trials(spec: ShapeSpec, **limits) -> int:
     """The size of the tuner's space for ``spec`` with these limits (the default included)."""
     shape = spec.to_problem_shape()
-    default = heuristic_config(shape, 132)  # CPU runs use the runtime's nominal 132 SMs
-    return search.space_size(search.build_space(shape, 132, search.SpaceLimits(**limits), default))
+    default = heuristic_config(shape, CPU)
+    return space.space_size(space.build_space(shape, CPU.sm_count, space.SpaceLimits(**limits), default))
 
 
 @cpu_only
@@ -364,9 +504,9 @@ def test_broken_candidates_are_pruned_with_reasons(tmp_path, monkeypatch):
     out = tmp_path / "broken"
     trials = _grid_trials(ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64),
                           block_m=(2, 16), num_kv_splits=(1,), num_warps=(4,), num_stages=(2,))
-    rc = main([*TINY, "--trials", str(trials), "--block-m", "2,16", "--num-kv-splits", "1",
-               "--num-warps", "4", "--num-stages", "2", "--out", str(out), "--compile-workers", "1",
-               "--isolation", "process", "--inject-hook", f"{HOOKS}:broken_configs_hook", *FAST])
+    rc = main([*TINY, "--trials", str(trials), "--block-m", "2,16", "--num-kv-splits", "1", "--num-warps", "4",
+               "--num-stages", "2", "--out", str(out), "--compile-workers", "1", "--isolation", "process",
+               "--inject-hook", f"{HOOKS}:broken_configs_hook", *FAST])
     assert rc == 0
     measured = [r for r in _records(out) if r["measured"]]
     assert len(measured) == trials  # a grid: every config once
@@ -382,8 +522,8 @@ def test_broken_candidates_are_pruned_with_reasons(tmp_path, monkeypatch):
     assert "plan/compile failed: RuntimeError: injected plan error" in reason[256, 16]
     ok = {k for k, r in recs.items() if r["state"] == "COMPLETE"}
     assert ok == {(32, 2), (32, 16), (128, 16), (256, 2)}
-    (study,) = _studies(out)
-    pruned = [t for t in study.trials if t.state.name == "PRUNED"]
+    (s,) = _studies(out)
+    pruned = [t for t in s.trials if t.state.name == "PRUNED"]
     assert len([t for t in pruned if t.user_attrs["measured"]]) == 6
     assert all(t.user_attrs["prune_reason"] for t in pruned)
     (table_path,) = out.glob("*.json")
@@ -397,14 +537,14 @@ def test_broken_candidates_are_pruned_with_reasons(tmp_path, monkeypatch):
 def test_fitted_duplicates_are_not_measured_twice(tmp_path):
     # L=40 is 3 tiles of 16 but 1 tile of 64: splits 2 and 3 are fitted down at block_n 64.
     spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
-    d = heuristic_config(spec.to_problem_shape(), 132)
-    limits = dict(block_n=(16, 64), block_m=(d.block_m,), num_kv_splits=(2, 3),
-                  num_warps=(d.num_warps,), num_stages=(d.num_stages,))
+    d = heuristic_config(spec.to_problem_shape(), CPU)
+    limits = dict(block_n=(16, 64), block_m=(d.block_m,), num_kv_splits=(2, 3), num_warps=(d.num_warps,),
+                  num_stages=(d.num_stages,))
     trials = _grid_trials(spec, **limits)
     out = tmp_path / "dup"
     rc = main([*TINY, "--trials", str(trials), "--block-n", "16,64", "--block-m", str(d.block_m),
-               "--num-kv-splits", "2,3", "--num-warps", str(d.num_warps), "--num-stages",
-               str(d.num_stages), "--out", str(out), "--isolation", "inline", *FAST])
+               "--num-kv-splits", "2,3", "--num-warps", str(d.num_warps), "--num-stages", str(d.num_stages),
+               "--out", str(out), "--isolation", "inline", *FAST])
     assert rc == 0
     recs = _records(out)
     shape = spec.to_problem_shape()
@@ -414,7 +554,7 @@ def test_fitted_duplicates_are_not_measured_twice(tmp_path):
         assert r["config"] == config.to_dict() and bool(r["adjustments"]) == bool(changes)
         fitted.setdefault(r["key"], []).append(r)
     assert len({tuple(r["params"].values()) for r in recs}) == trials  # the whole grid
-    for key, group in fitted.items():
+    for group in fitted.values():
         (leader,) = [r for r in group if r["measured"]]  # each fitted config measured once
         for r in group:
             if r is not leader:
@@ -427,15 +567,14 @@ def test_fitted_duplicates_are_not_measured_twice(tmp_path):
 def test_time_budget_stops_the_search_and_drops_slow_compiles(tmp_path):
     out = tmp_path / "budget"
     t0 = time.monotonic()
-    rc = main([*TINY, "--trials", "20", "--time-budget", "6", "--compile-workers", "2",
-               "--out", str(out), "--isolation", "inline",
-               "--inject-hook", f"{HOOKS}:slow_compile_hook", *FAST])
+    rc = main([*TINY, "--trials", "20", "--time-budget", "6", "--compile-workers", "2", "--out", str(out),
+               "--isolation", "inline", "--inject-hook", f"{HOOKS}:slow_compile_hook", *FAST])
     assert rc == 0
     assert time.monotonic() - t0 < 40  # not waiting for the 60 s compiles
     recs = _records(out)
     assert [r["is_default"] for r in recs if r["measured"]] == [True]  # only the default
-    (study,) = _studies(out)
-    skipped = [t for t in study.trials if t.user_attrs.get("skipped")]
+    (s,) = _studies(out)
+    skipped = [t for t in s.trials if t.user_attrs.get("skipped")]
     assert skipped and all(t.state.name == "FAIL" for t in skipped)
     (final,) = _records(out, "final")
     assert final["ok"] and final["kept_default"]
@@ -452,6 +591,8 @@ def test_time_budget_stops_the_search_and_drops_slow_compiles(tmp_path):
     (["--batch-sizes", "4"], "needs both batch sizes and K/V lengths"),
     (["--trials", "0"], "--trials: expected an integer >= 1"),
     (["--block-n", "48"], "--block-n [48] not in"),
+    (["--num-kv-splits", "2000"], "--num-kv-splits [2000] not in [1, 1024]"),
+    (["--num-warps", "1,x"], "--num-warps: expected a comma-separated list of integers"),
     (["--time-budget", "-3"], "expected a number > 0"),
     (["frobnicate"], "unrecognized arguments"),
     (["--trial-timeout", "nan"], "--trial-timeout: expected a finite number, got 'nan'"),
@@ -462,10 +603,10 @@ def test_time_budget_stops_the_search_and_drops_slow_compiles(tmp_path):
     ([*TINY, "--heads", "4:3"], "--heads: 4:3: HQ must be a multiple of HKV"),
 ])
 def test_cli_errors_exit_2_with_a_message(argv, message, capsys, tmp_path):
-    assert main(argv + ["--out", str(tmp_path)]) == 2
+    assert main(argv + ["--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
-    assert not list(tmp_path.iterdir())  # nothing written
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists() and not tables.user_config_dir().exists()  # nothing written
 
 
 @cpu_only
@@ -478,8 +619,8 @@ def test_cli_errors_exit_2_with_a_message(argv, message, capsys, tmp_path):
     ('kv_dtypes = ["fp8"]', "[[grid]] 1: kv_dtypes: unknown dtype(s) ['fp8']"),
     ('heads = "4-2"', "[[grid]] 1: heads: expected HQ:HKV pairs like 32:8, got '4-2'"),
     ("heads = [4, 2]", "[[grid]] 1: heads: expected HQ:HKV pairs"),
-], ids=["unknown_key", "packed_str", "ragged_int", "seq_len_float", "head_dim_100", "fp8",
-        "heads_str", "heads_flat"])
+], ids=["unknown_key", "packed_str", "ragged_int", "seq_len_float", "head_dim_100", "fp8", "heads_str",
+        "heads_flat"])
 def test_cli_bad_grid_file_names_the_key(body, message, tmp_path, capsys):
     grid = tmp_path / "grid.toml"
     out = tmp_path / "out"
@@ -507,8 +648,6 @@ def test_cli_grid_file_lists_must_be_positive_integers(lists, message, tmp_path,
 
 @cpu_only
 def test_cli_grid_file_accepts_toml_types(tmp_path):
-    from types import SimpleNamespace
-
     from tuner.grids import specs_from_args
 
     grid = tmp_path / "grid.toml"
@@ -545,240 +684,12 @@ def test_cli_empty_grid_file(tmp_path, capsys):
 
 
 @cpu_only
-def test_cli_error_in_a_subprocess_has_no_traceback():
+def test_cli_error_in_a_subprocess_has_no_traceback(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    r = subprocess.run([sys.executable, "-m", "tuner", "--preset", "nope"], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, "-m", "tuner", "--preset", "nope"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert "tsdecode-tune: error: unknown preset 'nope'" in r.stderr
-    assert "Traceback" not in r.stderr
-
-
-# ---- report CSVs from elsewhere (tuner/report.py --from-csv / --compare) -----------------------
-
-
-def _report_rows() -> list[dict]:
-    """Two shapes x (heuristic, torch_sdpa), as a report run writes them (values invented)."""
-    rows = []
-    for b, t in ((1, 100.0), (3, 150.0)):
-        spec = ShapeSpec(b, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
-        for impl, kind, scale in (("heuristic", "tsdecode", 1.0), ("torch_sdpa", "baseline", 2.0)):
-            us = t * scale
-            rows.append({
-                "shape": spec.name, **spec.to_dict(), "impl": impl, "impl_kind": kind,
-                "status": "ok", "timing_method": "cuda_graph", "copies": 1, "replays": 9,
-                "time_us_median": us, "time_us_min": 0.9 * us, "time_us_max": 1.1 * us,
-                "bytes_moved": 10**6, "achieved_gbs": 1e6 / us / 1e3, "copy_bw_gbs": 40.0,
-                "frac_copy_bw": 1e6 / us / 1e3 / 40.0, "rel_error": 1e-3, "tolerance": 2e-2,
-                "error_ok": True, "checked_requests": b, "gpu": "Test GPU", "num_sms": 132,
-            })
-    return rows
-
-
-def _write_report_csv(path: Path, rows: list[dict], drop=()) -> Path:
-    from tuner import report as R
-
-    cols = [c for c in R.columns_for(rows) if c not in drop]
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(cols)
-        for r in rows:
-            w.writerow([R._csv_value(r.get(c)) for c in cols])
-    return path
-
-
-def _report(argv, capsys) -> tuple[int, str]:
-    from tuner import report as R
-
-    code = R.main(argv)
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return code, err
-
-
-@pytest.mark.parametrize("change, code, message", [
-    ({}, 0, ""),
-    ({"rel_error": 0.5}, 1, "rel_error 5.00e-01 above 2e-02"),
-    ({"rel_error": None}, 0, ""),  # not checked: unknown, no problem
-    ({"status": "failed", "reason": None, "time_us_median": None}, 1, "failed (no reason recorded)"),
-], ids=["ok", "above_tolerance", "not_checked", "failed"])
-def test_report_from_csv_without_error_ok_derives_it(change, code, message, tmp_path, capsys):
-    rows = _report_rows()
-    rows[0].update(change)
-    for drop in ((), ("error_ok",)):  # an empty cell or no column: the same answer
-        if not drop:
-            rows[0]["error_ok"] = None
-        path = _write_report_csv(tmp_path / "results.csv", rows, drop)
-        got, err = _report(["--from-csv", str(path), "--out", str(tmp_path / "out")], capsys)
-        assert got == code, err
-        assert (message in err) if message else "tsdecode problem" not in err
-        assert err.count("tsdecode problem") == (1 if message else 0)
-
-
-def test_report_csv_without_required_columns_exits_2_naming_them(tmp_path, capsys):
-    good = _write_report_csv(tmp_path / "good.csv", _report_rows())
-    bad = _write_report_csv(tmp_path / "bad.csv", _report_rows(),
-                            drop=("kv_len", "frac_copy_bw", "time_us_min", "copy_bw_gbs"))
-    for argv in (["--from-csv", str(bad)], ["--compare", str(good), str(bad)]):
-        code, err = _report([*argv, "--out", str(tmp_path / "out")], capsys)
-        assert code == 2
-        assert f"{bad}: not a report CSV (missing column(s) ['kv_len', 'time_us_min', " \
-               "'copy_bw_gbs', 'frac_copy_bw'])" in err
-    rows = _report_rows()
-    rows[1]["batch_size"] = "8.0"
-    code, err = _report(["--from-csv", str(_write_report_csv(tmp_path / "int.csv", rows))], capsys)
-    assert code == 2 and "int.csv, line 3: column batch_size: expected an integer, got '8.0'" in err
-
-
-def test_report_rows_with_unusable_numbers_are_left_out_of_plots(tmp_path, capsys):
-    rows = _report_rows()
-    rows[0].update(time_us_median=float("nan"))
-    rows[1].update(time_us_median=-5.0)
-    rows[2].update(time_us_median=float("inf"), time_us_min=None)
-    rows[3].update(achieved_gbs=None, frac_copy_bw=float("nan"), time_us_min=None)
-    for r in rows:
-        r["copy_bw_gbs"] = None
-    path = _write_report_csv(tmp_path / "results.csv", rows)
-    good = _write_report_csv(tmp_path / "good.csv", _report_rows())
-    code, _ = _report(["--from-csv", str(path), "--out", str(tmp_path / "a")], capsys)
-    assert code == 0
-    page = (tmp_path / "a" / "report.html").read_text()
-    assert not re.search(r'\s[a-z0-9]+="[^"]*\b(nan|inf)\b', page)  # no SVG coordinate nan/inf
-    assert "not plotted on 1 shape(s): time_us_median nan is not a positive finite number" in page
-    assert "time_us_median -5.0 is not a positive finite number" in page
-    code, _ = _report(["--compare", str(good), str(path), "--out", str(tmp_path / "c")], capsys)
-    assert code == 0
-    assert not re.search(r'\s[a-z0-9]+="[^"]*\b(nan|inf)\b',
-                         (tmp_path / "c" / "compare.html").read_text())
-
-
-# ---- the search space -----------------------------------------------------------------------
-
-
-@cpu_only
-def test_split_choices_cover_powers_waves_and_default():
-    shape = ShapeSpec(1, 32768).to_problem_shape()  # Hq 32, Hkv 8, D 128
-    default = heuristic_config(shape, 132)
-    space = search.build_space(shape, 132, search.SpaceLimits(), default)
-    splits = space["num_kv_splits"]
-    assert {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 512} <= set(splits)
-    assert {132 // 8, 2 * 132 // 8, 4 * 132 // 8} <= set(splits)  # whole waves of programs
-    assert default.num_kv_splits in splits and max(splits) <= 64 * 132 // 8
-    # G*SQ = 4 rows: larger block_m is fitted away, FMA block_m (< 16) only when asked for
-    assert space["block_m"] == (16,)
-    asked = search.SpaceLimits(block_m=(1, 2, 4, 8, 16, 32))
-    assert search.build_space(shape, 132, asked, default)["block_m"] == (1, 2, 4, 8, 16)
-    mha = ShapeSpec(1, 32768, num_qo_heads=8, num_kv_heads=8).to_problem_shape()  # 1 row
-    assert search.build_space(mha, 132, search.SpaceLimits(), heuristic_config(mha, 132))[
-        "block_m"] == (1, 2, 4, 8, 16)
-    for hq, fma in ((16, (1, 2, 4, 8)), (24, ())):  # 2 rows: FMA searched; 3 rows: not
-        rows = ShapeSpec(1, 32768, num_qo_heads=hq, num_kv_heads=8).to_problem_shape()
-        assert search.build_space(rows, 132, search.SpaceLimits(), heuristic_config(rows, 132))[
-            "block_m"] == fma + (16,)
-    wide = ShapeSpec(1, 32768, num_qo_heads=64, num_kv_heads=2).to_problem_shape()  # 32 rows
-    assert search.build_space(wide, 132, search.SpaceLimits(), heuristic_config(wide, 132))[
-        "block_m"] == (16, 32)
-    big = ShapeSpec(128, 32768).to_problem_shape()
-    assert search.build_space(big, 132, search.SpaceLimits(), heuristic_config(big, 132))[
-        "num_kv_splits"] == (1, 2, 3, 4, 6, 8)
-    short = ProblemShape(1, 4, 2, 64, 16, max_kv_len=40)
-    assert max(search.split_choices(short, 132, (16, 32), (2,))) == 3  # 3 tiles of 16
-
-
-# ---- on a GPU -------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-def test_gpu_smoke_tuning_end_to_end(tmp_path, monkeypatch):
-    """The real pipeline (worker process, compile pool, CUDA graphs) on the smoke preset."""
-    out = tmp_path / "gpu"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    env.pop("TRITON_INTERPRET", None)  # the GPU pipeline, whatever this process runs in
-    r = subprocess.run([sys.executable, "-m", "tuner", "--preset", "smoke", "--trials", "6",
-                        "--compile-workers", "2", "--out", str(out), "--no-progress"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-4000:]
-    (table_path,) = out.glob("*.json")
-    table = tables.load_table(table_path)
-    assert table is not None and table.device.name == torch.cuda.get_device_name()
-    entries = [e for b in table.entries.values() for e in b.values()]
-    assert len(entries) == len(PRESETS["smoke"])
-    assert all(e.fraction_of_copy is not None and e.fraction_of_copy > 0 for e in entries)
-    _check_log_matches_storage(out)
-    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(out))
-    tables.clear_cache()
-    try:
-        for spec in PRESETS["smoke"]:
-            w, err = _run(spec, "cuda")
-            assert w.config.source == "table", str(w.config)
-            assert err < measure.tolerance(spec)
-    finally:
-        tables.clear_cache()
-
-
-def test_retime_noise_ignores_one_outlier_round():
-    from tuner.search import retime_noise
-
-    # The H200 default's re-timings for B=256 L=4k (us): one slow round must not set the noise.
-    default = [1033.9, 1035.1, 1144.6, 1059.5, 1028.6]
-    noise = retime_noise(default)
-    assert 0.02 < noise < 0.03
-    challenger_median = 975.2  # 6% faster in every round
-    assert challenger_median < statistics.median(default) * (1 - noise)
-    assert retime_noise([100.0]) == 0.01
-    assert retime_noise([100.0, 100.1, 100.0]) == 0.01
-
-
-def test_seed_configs_cover_splits_and_the_lean_family():
-    from tuner.search import seed_configs
-
-    default = KernelConfig(block_n=64, block_m=16, num_kv_splits=4, num_warps=4, num_stages=2)
-    space = {"block_n": [16, 32, 64], "block_m": [16], "num_kv_splits": [1, 2, 3, 4, 6, 8, 12, 16],
-             "num_warps": [1, 2, 4], "num_stages": [1, 2, 3, 5]}
-    seeds = seed_configs(default, space)
-    assert seeds[0] == default and len(set(seeds)) == len(seeds)
-    assert {c.num_kv_splits for c in seeds if c.block_n == 64} == {2, 4, 8, 16}
-    lean = [c for c in seeds if c.block_n == 16 and c.num_stages == 3]
-    assert {c.num_warps for c in lean} == {1}
-    assert sorted(c.num_kv_splits for c in lean) == [4, 8, 16]
-    deep = [c for c in seeds if c.block_n == 16 and c.num_stages != 3]
-    assert {(c.num_warps, c.num_stages) for c in deep} == {(1, 5)}  # the space's deepest pipeline
-    assert sorted(c.num_kv_splits for c in deep) == [2, 4]
-    for c in seeds:  # every seed lies in the space
-        assert all(getattr(c, k) in v for k, v in space.items())
-
-
-def test_seed_configs_reach_the_lean_programs_per_sm_targets():
-    """With the shape's programs at one split, both lean families are seeded at the split counts
-    for ~8 and ~46 programs per SM, even when the default's own splits are far from them."""
-    from tuner.search import seed_configs
-
-    default = KernelConfig(block_n=64, block_m=16, num_kv_splits=8, num_warps=4, num_stages=2)
-    space = {"block_n": [16, 64], "block_m": [16], "num_kv_splits": [1, 2, 4, 8, 16, 32, 64, 95, 96, 128],
-             "num_warps": [1, 4], "num_stages": [2, 3, 5]}
-    plain = seed_configs(default, space)
-    seeds = seed_configs(default, space, base_programs=64, num_sms=132)  # B=8, Hkv=8
-    assert seeds[:len(plain)] == plain and len(set(seeds)) == len(seeds)
-    # ~8 per SM: 8 * 132 / 64 -> 16 splits (the 3-stage lean seed at 16 = 2x the default's
-    # splits is there already); ~46 per SM: 46 * 132 / 64 -> 95 splits.
-    added = {(c.num_kv_splits, c.num_stages) for c in seeds[len(plain):]}
-    assert added == {(16, 5), (95, 3), (95, 5)}
-    assert all(c.block_n == 16 and c.num_warps == 1 for c in seeds[len(plain):])
-
-
-def test_study_name_changes_with_the_heuristic_default(tmp_path):
-    """A study is timed against the heuristic's default: a heuristic change must start a new
-    study, not resume the old one (whose final records the old default)."""
-    tuner = _bare_tuner(tmp_path)
-    try:
-        bucket = search.group_buckets(PRESETS["smoke"])[0]
-        space = {"block_n": [16, 32]}
-        a = tuner.study_name(bucket, space, KernelConfig(block_n=16, num_stages=3))
-        assert a == tuner.study_name(bucket, space, KernelConfig(block_n=16, num_stages=3))
-        assert a != tuner.study_name(bucket, space, KernelConfig(block_n=16, num_stages=5))
-        assert a.startswith(bucket.class_key + "|")
-    finally:
-        tuner.close()
+    assert r.stderr == "tsdecode-tune: error: unknown preset 'nope'; choose one of " + str(sorted(PRESETS)) + "\n"
 
 
 def test_grid_file_without_a_toml_reader_is_a_usage_error(tmp_path, monkeypatch, capsys):
@@ -801,26 +712,111 @@ def test_grid_file_without_a_toml_reader_is_a_usage_error(tmp_path, monkeypatch,
     assert "Python >= 3.11" in err and "Traceback" not in err
 
 
+# ---- the search space -----------------------------------------------------------------------
+
+
+def test_split_choices_cover_powers_waves_and_default():
+    shape = ShapeSpec(1, 32768).to_problem_shape()  # Hq 32, Hkv 8, D 128
+    default = heuristic_config(shape, H200)
+    sp = space.build_space(shape, 132, space.SpaceLimits(), default)
+    splits = sp["num_kv_splits"]
+    assert {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 512} <= set(splits)
+    assert {132 // 8, 2 * 132 // 8, 4 * 132 // 8} <= set(splits)  # whole waves of programs
+    assert default.num_kv_splits in splits and max(splits) <= space.SEARCH_MAX_PROGRAMS_PER_SM * 132 // 8
+    # G*SQ = 4 rows: larger block_m is fitted away, FMA block_m (< 16) only when asked for
+    assert sp["block_m"] == (16,)
+    asked = space.SpaceLimits(block_m=(1, 2, 4, 8, 16, 32))
+    assert space.build_space(shape, 132, asked, default)["block_m"] == (1, 2, 4, 8, 16)
+    mha = ShapeSpec(1, 32768, num_qo_heads=8, num_kv_heads=8).to_problem_shape()  # 1 row
+    assert space.build_space(mha, 132, space.SpaceLimits(), heuristic_config(mha, H200))["block_m"] == (1, 2, 4, 8, 16)
+    for hq, fma in ((16, (1, 2, 4, 8)), (24, ())):  # 2 rows: FMA searched; 3 rows: not
+        rows = ShapeSpec(1, 32768, num_qo_heads=hq, num_kv_heads=8).to_problem_shape()
+        assert space.build_space(rows, 132, space.SpaceLimits(), heuristic_config(rows, H200))[
+            "block_m"] == fma + (16,)
+    wide = ShapeSpec(1, 32768, num_qo_heads=64, num_kv_heads=2).to_problem_shape()  # 32 rows
+    assert space.build_space(wide, 132, space.SpaceLimits(), heuristic_config(wide, H200))["block_m"] == (16, 32)
+    big = ShapeSpec(128, 32768).to_problem_shape()
+    assert space.build_space(big, 132, space.SpaceLimits(), heuristic_config(big, H200))[
+        "num_kv_splits"] == (1, 2, 3, 4, 6, 8)
+    short = ProblemShape(1, 4, 2, 64, 16, max_kv_len=40)
+    assert max(space.split_choices(short, 132, (16, 32), (2,))) == 3  # 3 tiles of 16
+
+
+def test_retime_noise_ignores_one_outlier_round():
+    # A default's re-timings on an H200 (us): one slow round must not set the noise.
+    default = [1033.9, 1035.1, 1144.6, 1059.5, 1028.6]
+    noise = search.retime_noise(default)
+    assert 0.02 < noise < 0.03
+    challenger_median = 975.2  # 6% faster in every round
+    assert challenger_median < statistics.median(default) * (1 - noise)
+    assert search.retime_noise([100.0]) == 0.01
+    assert search.retime_noise([100.0, 100.1, 100.0]) == 0.01
+
+
+def test_seed_configs_cover_splits_and_the_lean_family():
+    default = KernelConfig(block_n=64, block_m=16, num_kv_splits=4, num_warps=4, num_stages=2)
+    sp = {"block_n": [16, 32, 64], "block_m": [16], "num_kv_splits": [1, 2, 3, 4, 6, 8, 12, 16],
+          "num_warps": [1, 2, 4], "num_stages": [1, 2, 3, 5]}
+    seeds = space.seed_configs(default, sp)
+    assert seeds[0] == default and len(set(seeds)) == len(seeds)
+    assert {c.num_kv_splits for c in seeds if c.block_n == 64} == {2, 4, 8, 16}
+    lean = [c for c in seeds if c.block_n == 16 and c.num_stages == 3]
+    assert {c.num_warps for c in lean} == {1}
+    assert sorted(c.num_kv_splits for c in lean) == [4, 8, 16]
+    deep = [c for c in seeds if c.block_n == 16 and c.num_stages != 3]
+    assert {(c.num_warps, c.num_stages) for c in deep} == {(1, 5)}  # the space's deepest pipeline
+    assert sorted(c.num_kv_splits for c in deep) == [2, 4]
+    for c in seeds:  # every seed lies in the space
+        assert all(getattr(c, k) in v for k, v in sp.items())
+
+
+def test_seed_configs_reach_the_lean_programs_per_sm_targets():
+    """With the shape's programs at one split, both lean families are seeded at the split counts
+    for ~8 and ~46 programs per SM, even when the default's own splits are far from them."""
+    default = KernelConfig(block_n=64, block_m=16, num_kv_splits=8, num_warps=4, num_stages=2)
+    sp = {"block_n": [16, 64], "block_m": [16], "num_kv_splits": [1, 2, 4, 8, 16, 32, 64, 95, 96, 128],
+          "num_warps": [1, 4], "num_stages": [2, 3, 5]}
+    plain = space.seed_configs(default, sp)
+    seeds = space.seed_configs(default, sp, base=64, sm_count=132)  # B=8, Hkv=8
+    assert seeds[:len(plain)] == plain and len(set(seeds)) == len(seeds)
+    # ~8 per SM: 8 * 132 / 64 -> 16 splits (the 3-stage lean seed at 16 = 2x the default's
+    # splits is there already); ~46 per SM: 46 * 132 / 64 -> 95 splits.
+    added = {(c.num_kv_splits, c.num_stages) for c in seeds[len(plain):]}
+    assert added == {(16, 5), (95, 3), (95, 5)}
+    assert all(c.block_n == 16 and c.num_warps == 1 for c in seeds[len(plain):])
+
+
+def test_study_name_changes_with_the_heuristic_default(tmp_path):
+    """A study is timed against the heuristic's default: a heuristic change must start a new
+    study, not resume the old one (whose final records the old default)."""
+    tuner = _bare_tuner(tmp_path)
+    try:
+        bucket = search.group_buckets(PRESETS["smoke"])[0]
+        sp = {"block_n": [16, 32]}
+        a = tuner.study_name(bucket, sp, KernelConfig(block_n=16, num_stages=3))
+        assert a == tuner.study_name(bucket, sp, KernelConfig(block_n=16, num_stages=3))
+        assert a != tuner.study_name(bucket, sp, KernelConfig(block_n=16, num_stages=5))
+        assert a.startswith(bucket.class_key + "|")
+    finally:
+        tuner.close()
+
+
 @cpu_only
 def test_a_new_study_measures_the_tables_current_winner_second(tmp_path):
     """Re-tuning into a table that already holds a winner for the bucket (e.g. after a heuristic
-    change started new studies): that winner is measured right after the default, so a
-    re-tune cannot lose what the last one found for lack of trials."""
+    change started new studies): that winner is measured right after the default, so a re-tune
+    cannot lose what the last one found for lack of trials."""
     spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
     shape = spec.to_problem_shape()
-    default = heuristic_config(shape, 132)
+    default = heuristic_config(shape, CPU)
     previous = KernelConfig(block_n=32, block_m=16, num_kv_splits=2, num_warps=2, num_stages=2)
     assert previous != default and fit_config(previous, shape)[0] == previous
     out = tmp_path / "warm"
-    info = tables.DeviceInfo("CPU Triton interpreter", 132, (0, 0), 0)
-    paths = search.OutputPaths.for_device(out, info.name, None)
-    out.mkdir()
-    entry = tables.TableEntry(previous, 10.0, 1.0, None, default, 11.0, 0.9, tuned_batch_size=1)
+    entry = TableEntry(previous, 10.0, 1.0, None, default, 11.0, 0.9, tuned_batch_size=1)
     key, bucket = tables.problem_class_key(shape), tables.bucket_of(1, 40)
-    tables.merge_entries(paths.table, info, {key: {bucket: entry}}, {})
-    args = [*TINY, "--trials", "2", "--block-n", "16,32,64", "--block-m", "16",
-            "--num-kv-splits", "1,2,3", "--num-warps", "1,2,4", "--num-stages", "2,3",
-            "--out", str(out), "--isolation", "inline", *FAST]
+    merge_entries(study.OutputPaths.for_device(CPU.name, out).table, CPU, {key: {bucket: entry}}, {})
+    args = [*TINY, "--trials", "2", "--block-n", "16,32,64", "--block-m", "16", "--num-kv-splits", "1,2,3",
+            "--num-warps", "1,2,4", "--num-stages", "2,3", "--out", str(out), "--isolation", "inline", *FAST]
     assert main(args) == 0
     measured = [KernelConfig(**r["config"]) for r in _records(out) if r["measured"]]
     assert measured[:2] == [default, previous]
@@ -828,24 +824,22 @@ def test_a_new_study_measures_the_tables_current_winner_second(tmp_path):
 
 @cpu_only
 def test_stale_only_tunes_just_the_buckets_timed_against_another_default(tmp_path, capsys):
-    """--stale-only: of the grid's buckets, only those the output table lacks or holds timed
-    against another default than today's heuristic are tuned; the others keep their entries."""
+    """--stale-only: of the grid's buckets, only those the table lacks or holds timed against
+    another default than today's heuristic are tuned; the others keep their entries."""
     specs = [ShapeSpec(b, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64) for b in (1, 3)]
-    info = tables.DeviceInfo("CPU Triton interpreter", 132, (0, 0), 0)
     out = tmp_path / "t"
-    out.mkdir()
-    paths = search.OutputPaths.for_device(out, info.name, None)
+    paths = study.OutputPaths.for_device(CPU.name, out)
     other = KernelConfig(block_n=32, block_m=16, num_kv_splits=2, num_warps=2, num_stages=2)
     key = tables.problem_class_key(specs[0].to_problem_shape())
     buckets = [tables.bucket_of(s.batch_size, s.kv_len) for s in specs]
     assert buckets[0] != buckets[1]
     entries = {}
     for spec, bucket, up_to_date in zip(specs, buckets, (True, False)):
-        default = heuristic_config(spec.to_problem_shape(), 132)
+        default = heuristic_config(spec.to_problem_shape(), CPU)
         assert other != default
-        entries[bucket] = tables.TableEntry(default, 10.0, 1.0, None, default if up_to_date else other,
-                                            11.0, 0.9, tuned_batch_size=spec.batch_size)
-    tables.merge_entries(paths.table, info, {key: entries}, {})
+        entries[bucket] = TableEntry(default, 10.0, 1.0, None, default if up_to_date else other, 11.0, 0.9,
+                                     tuned_batch_size=spec.batch_size)
+    merge_entries(paths.table, CPU, {key: entries}, {})
     grid = ["--batch-sizes", "1,3", "--kv-lens", "40", "--heads", "4:2", "--head-dim", "64"]
     args = [*grid, "--trials", "1", "--stale-only", "--out", str(out), "--isolation", "inline", *FAST]
     assert main(args) == 0
@@ -854,9 +848,37 @@ def test_stale_only_tunes_just_the_buckets_timed_against_another_default(tmp_pat
     after = tables.load_table(paths.table).entries[key]
     assert after[buckets[0]] == entries[buckets[0]]  # kept as it was
     assert after[buckets[1]].time_us != 10.0  # re-tuned, against today's default
-    assert after[buckets[1]].default_config == heuristic_config(specs[1].to_problem_shape(), 132)
+    assert after[buckets[1]].default_config == heuristic_config(specs[1].to_problem_shape(), CPU)
     # Everything up to date now: a second run tunes nothing and leaves the table alone.
     before = paths.table.read_bytes()
     assert main(args) == 0
     assert "--stale-only: 2 of 2 buckets up to date" in capsys.readouterr().err
     assert paths.table.read_bytes() == before
+
+
+# ---- on a GPU -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_smoke_tuning_end_to_end(tmp_path, monkeypatch):
+    """The real pipeline (worker process, compile pool, CUDA graphs) on the smoke preset, into
+    the user cache folder, which plans then use."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.pop("TRITON_INTERPRET", None)  # the GPU pipeline, whatever this process runs in
+    r = subprocess.run([sys.executable, "-m", "tuner", "--preset", "smoke", "--trials", "6",
+                        "--compile-workers", "2", "--no-progress"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    props = device_properties("cuda")
+    table_path = tables.user_config_dir() / tables.table_filename(props.name)
+    table = tables.load_table(table_path)
+    assert table is not None and table.device.name == props.name
+    assert f"{props.sm_count} SMs" in r.stderr and "plans on this device use it from now on" in r.stderr
+    entries = [e for b in table.entries.values() for e in b.values()]
+    assert len(entries) == len(PRESETS["smoke"])
+    assert all(e.fraction_of_copy is not None and e.fraction_of_copy > 0 for e in entries)
+    _check_log_matches_storage(tables.user_config_dir().parent / "tuning")
+    for spec in PRESETS["smoke"]:
+        w, err = _plan_and_run(spec, "cuda")
+        assert w.config.source == "table", str(w.config)
+        assert err < measure.tolerance(spec)

@@ -1,4 +1,18 @@
-"""tsdecode's tuner: shape grids, measurement, Optuna search, tables and reports.
+"""tsdecode's tuner (``tsdecode-tune``): imports the runtime (``tsdecode``); the runtime never
+imports this package.
 
-Imports the runtime (``tsdecode``); the runtime never imports this package.
+  cli.py           the command line: tune (default), worker, export, create, explain, report
+  arguments.py     usage errors (exit code 2) and argument types shared by the subcommands
+  grids.py         ShapeSpec (one benchmark case) and the named shape grids
+  measure.py       input sets, a planned wrapper over them, bytes moved, CUDA-graph timing
+  space.py         the search space of one bucket and the configs a study measures first
+  runner.py        checking and timing candidates in a restartable worker; the compile pool
+  study.py         output paths, the Optuna study storage (its run and queue locks), the results
+                   log, workers' identities and their trials' retries
+  search.py        the Tuner (one worker): one shared study per (problem class, bucket), re-timing
+  job.py           a job in the storage: definition, GPU-model pin, progress, the table export
+  devices.py       --devices: one worker process per device, compile processes per worker
+  table_writer.py  merging entries into a device's table (atomic, locked)
+  storage_bench.py the storages' contention benchmark behind the default (docs/tuning.md)
+  impls.py, report.py, html.py  benchmark reports against baselines and peers
 """

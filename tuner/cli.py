@@ -1,56 +1,72 @@
-"""``tsdecode-tune`` / ``python -m tuner``: tune the decode kernel for this GPU and write its table.
+"""``tsdecode-tune`` / ``python -m tuner``: tune the decode kernel for this device and write its table.
 
 Subcommands: ``tune`` (the default: ``tsdecode-tune --preset llama3-8b`` means
-``tsdecode-tune tune --preset llama3-8b``), ``explain`` (which table entry and config a shape
-gets) and ``report`` (delegated to ``tuner.report`` when it is installed). See docs/tuning.md.
+``tsdecode-tune tune --preset llama3-8b``; ``--devices all`` runs a worker per GPU), ``worker``
+(join a job in a shared storage, e.g. from another host), ``export`` (write a job's table from
+its storage), ``create`` (define a job without running it), ``explain`` (which table entry and
+config a shape gets) and ``report`` (benchmark reports, ``tuner.report``). See docs/tuning.md.
 
 Without a CUDA GPU (or with ``--device cpu``) the kernels run in Triton's interpreter: ``main``
 checks ``torch.cuda.is_available()`` first and sets TRITON_INTERPRET=1 before anything imports
 triton (this module imports neither tsdecode nor triton at import time for that reason). Timings
-are then wall-clock and meaningless; the mode exists to exercise the pipeline (tests).
+are then wall-clock and meaningless; the mode exists to exercise the pipeline.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import importlib
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
-PROG = "tsdecode-tune"
-SUBCOMMANDS = ("tune", "explain", "report")
-CPU_NOTE = (
-    "NOTE: no CUDA GPU in use: kernels run in Triton's interpreter on the CPU. Timings are "
-    "wall-clock and MEANINGLESS; the table written only exercises the pipeline."
+from .arguments import (
+    PROG, Parser, UsageError, int_list_type, nonnegative_int, positive_float, positive_int,
 )
 
-
-class UsageError(Exception):
-    """A bad command line or grid: exit code 2 with the message on stderr."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Device selection (before triton is imported)
-# ---------------------------------------------------------------------------------------------
+SUBCOMMANDS = ("tune", "worker", "export", "create", "explain", "report")
+# What the tune subcommand needs beyond the runtime: the "tune" extra.
+TUNE_EXTRA = ("optuna", "pandas", "filelock")
+CPU_NOTE = ("NOTE: no CUDA GPU in use: kernels run in Triton's interpreter on the CPU. Timings are "
+            "wall-clock and MEANINGLESS; the table written only exercises the pipeline.")
 
 
-def _requested_device(argv: list[str]) -> str | None:
+def require_tune_extra() -> None:
+    """UsageError naming the install command if a module of the "tune" extra is missing."""
+    missing = []
+    for name in TUNE_EXTRA:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise UsageError(f"{PROG}: error: the tuner needs {' and '.join(missing)}, not installed here: "
+                         f'pip install "tsdecode[tune]"')
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
     for i, arg in enumerate(argv):
-        if arg == "--device" and i + 1 < len(argv):
+        if arg == flag and i + 1 < len(argv):
             return argv[i + 1]
-        if arg.startswith("--device="):
+        if arg.startswith(flag + "="):
             return arg.split("=", 1)[1]
     return None
 
 
+def _requested_device(argv: list[str]) -> str | None:
+    """--device, or "cpu" for --devices cpu[:N] (interpreter workers)."""
+    devices = _flag(argv, "--devices")
+    if devices is not None and _flag(argv, "--device") is None and devices.strip().startswith("cpu"):
+        return "cpu"
+    return _flag(argv, "--device")
+
+
 def select_device(argv: list[str]) -> str:
     """"cuda" (or the requested cuda:N) when a GPU is usable, else "cpu" with the interpreter on.
-
-    Must run before anything imports triton: triton decides at ``@triton.jit`` time whether
-    kernels are interpreted.
-    """
+    Runs before anything imports triton, which decides at ``@triton.jit`` time whether kernels are
+    interpreted."""
     import torch
 
     requested = _requested_device(argv)
@@ -62,8 +78,8 @@ def select_device(argv: list[str]) -> str:
         return "cuda"
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         if "tsdecode.kernels.decode" in sys.modules:
-            raise UsageError("CPU mode needs TRITON_INTERPRET=1 before tsdecode's kernels are "
-                             "imported; set it in the environment")
+            raise UsageError("CPU mode needs TRITON_INTERPRET=1 before tsdecode's kernels are imported; "
+                             "set it in the environment")
         os.environ["TRITON_INTERPRET"] = "1"
     return "cpu"
 
@@ -73,110 +89,106 @@ def select_device(argv: list[str]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # exit 2 with a clear one-line message, no traceback
-        raise UsageError(f"{self.prog}: error: {message}")
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    return values
-
-
-def _bounded(kind: type, minimum: float, strict: bool):
-    """An argparse type: ``kind`` (int or float; finite) at least ``minimum`` (above it if
-    ``strict``)."""
-    noun = "an integer" if kind is int else "a number"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
-        if not math.isfinite(value):  # nan, inf: "no limit" is spelled by leaving the flag out
-            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-        if value < minimum or (strict and value == minimum):
-            raise argparse.ArgumentTypeError(
-                f"expected {noun} {'>' if strict else '>='} {minimum}, got {text!r}"
-            )
-        return value
-
-    return parse
-
-
-_positive_float = _bounded(float, 0, strict=True)
-_positive_int = _bounded(int, 1, strict=False)
-_nonneg_int = _bounded(int, 0, strict=False)
-
-
 def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool) -> None:
     from .grids import add_grid_arguments
 
     add_grid_arguments(p)
     s = p.add_argument_group("search")
-    s.add_argument("--trials", type=_positive_int, default=4 if cpu else 48,
-                   help="configs measured per bucket (duplicates after fitting to the shape do "
-                        "not count; default %(default)s)")
-    s.add_argument("--time-budget", type=_positive_float, default=None, metavar="SECONDS",
-                   help="wall-clock budget of the whole search, shared evenly by the buckets "
-                        "still to tune (default: none)")
+    s.add_argument("--trials", type=positive_int, default=4 if cpu else 48,
+                   help="configs measured per bucket (duplicates after fitting to the shape do not count; "
+                        "default %(default)s)")
+    s.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
+                   help="wall-clock budget of the whole search, shared evenly by the buckets still to tune")
     s.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
-    s.add_argument("--top-k", type=_nonneg_int, default=3,
+    s.add_argument("--top-k", type=nonnegative_int, default=3,
                    help="best configs re-timed against the default at the end (default %(default)s)")
-    s.add_argument("--retime-rounds", type=_positive_int, default=2 if cpu else 5,
+    s.add_argument("--retime-rounds", type=positive_int, default=2 if cpu else 5,
                    help="interleaved re-timing rounds (default %(default)s)")
     s.add_argument("--stale-only", action="store_true",
-                   help="tune only the grid's buckets that the output table lacks or holds timed "
-                        "against another heuristic default or kernel than today's (e.g. after "
-                        "upgrading tsdecode); the others keep their entries")
-    for name, choices in (("block-n", "BLOCK_N_CHOICES"), ("block-m", "BLOCK_M_CHOICES"),
-                          ("num-kv-splits", None), ("num-warps", "NUM_WARPS_CHOICES"),
-                          ("num-stages", "NUM_STAGES_CHOICES")):
-        s.add_argument(f"--{name}", type=_int_list, default=None, metavar="LIST",
-                       help=f"restrict {name.replace('-', '_')} to these values" +
-                            (" (default: per shape)" if choices is None else "") +
-                            (" (default: below 16 only at 1-2 query rows a KV head)"
-                             if name == "block-m" else ""))
+                   help="tune only the grid's buckets that the table lacks or holds timed against another "
+                        "heuristic default or kernel than today's (e.g. after upgrading tsdecode)")
+    for name in ("block_n", "block_m", "num_kv_splits", "num_warps", "num_stages"):
+        s.add_argument(f"--{name.replace('_', '-')}", type=int_list_type, default=None, metavar="LIST",
+                       help=f"restrict KernelConfig.{name} to these values (default: those that can be "
+                            "valid for each shape)")
     m = p.add_argument_group("measurement")
     m.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
-    m.add_argument("--trial-timeout", type=_positive_float, default=900.0 if cpu else 300.0,
-                   metavar="SECONDS", help="per-candidate limit; a candidate past it is pruned "
-                                           "and the worker restarted (default %(default)s)")
-    m.add_argument("--replay-ms", type=_positive_float, default=80.0,
+    m.add_argument("--devices", default=None, metavar="SPEC",
+                   help="one worker process per device, all sharing the job's studies: 'all' (every visible GPU), "
+                        "GPU indices like 0,1,3, or cpu:N (N interpreter workers, without a GPU)")
+    m.add_argument("--trial-timeout", type=positive_float, default=900.0 if cpu else 300.0, metavar="SECONDS",
+                   help="per-candidate limit; a candidate past it is pruned and the worker restarted "
+                        "(default %(default)s)")
+    m.add_argument("--replay-ms", type=positive_float, default=80.0,
                    help="CUDA-graph replay time per measurement (default %(default)s)")
-    m.add_argument("--check-requests", type=_positive_int, default=2,
-                   help="requests checked against the float64 reference on GPU (default %(default)s; "
-                        "CPU checks all)")
-    m.add_argument("--compile-workers", type=_nonneg_int, default=None,
-                   help="processes precompiling candidates while others are measured (default: "
-                        "min(8, CPUs - 4) on GPU, 0 on CPU; 0 disables)")
+    m.add_argument("--check-requests", type=positive_int, default=2,
+                   help="requests checked against the float64 reference on GPU (default %(default)s; CPU "
+                        "checks all)")
+    m.add_argument("--compile-workers", type=nonnegative_int, default=None,
+                   help="processes precompiling candidates while others are measured, per worker (default: "
+                        "min(8, CPUs - 4) on one GPU, (CPUs - 2 - 2 x workers) / workers with --devices; 0 on "
+                        "CPU; 0 disables)")
+    m.add_argument("--heartbeat-grace", type=positive_float, default=None, metavar="SECONDS",
+                   help="a running trial whose worker shows no sign of life for this long is failed and queued "
+                        "again (RDB storages, e.g. PostgreSQL; this host's dead workers are noticed at once; "
+                        "default: 2 x --trial-timeout)")
     m.add_argument("--isolation", choices=("process", "inline"), default="process",
                    help="measure in a restartable worker process (default) or in this process")
     m.add_argument("--inject-hook", default=None, metavar="MODULE:FUNC",
-                   help="testing: call FUNC(stage, spec, config, out=None) at stages compile/plan/"
-                        "output; raising fails the candidate")
+                   help="testing: call FUNC(stage, spec, config, out=None) at stages compile/plan/output; "
+                        "raising fails the candidate")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, metavar="DIR",
-                   help="output folder for the table, trial log/CSV and study DB (default: the "
-                        "user table folder, tables.user_config_dir())")
+                   help="folder for the table, trial log/CSV and study DB (default: the table in the user "
+                        "cache folder, where plans find it, and the rest beside it in tuning/)")
     o.add_argument("--storage", default=None,
-                   help="Optuna storage URL (default sqlite:///<out>/<gpu>_study.db; a path ending "
-                        "in .journal uses a journal file)")
+                   help="Optuna storage: a journal file (a path ending in .journal; the default is "
+                        "<work folder>/<device>_study.journal), sqlite:///FILE.db, or postgresql://USER@HOST:PORT/DB "
+                        "to let workers of other hosts join")
+    o.add_argument("--job", default=None, metavar="NAME",
+                   help="the job's name in the storage (default: run-<hash of the grid, settings and GPU model>); "
+                        "other hosts join it with: tsdecode-tune worker --storage URL --job NAME")
     o.add_argument("--no-progress", action="store_true", help="no progress bars/lines")
 
 
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage", required=True, help="the job's study storage (URL or journal file)")
+    p.add_argument("--job", required=True, metavar="NAME", help="the job to join")
+    p.add_argument("--devices", default=None, metavar="SPEC",
+                   help="one worker per device of this host: all, 0,1,3 or cpu:N (default: one worker on the "
+                        "default device)")
+    p.add_argument("--compile-workers", type=nonnegative_int, default=None,
+                   help="compile processes per worker (default as for tune)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for this host's trial log (default: the user cache folder's tuning/)")
+    p.add_argument("--isolation", choices=("process", "inline"), default="process",
+                   help="measure in a restartable worker process (default) or in this process")
+    p.add_argument("--inject-hook", default=None, metavar="MODULE:FUNC", help="testing: see tune --help")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars/lines")
+    p.add_argument("--device", default=None, help=argparse.SUPPRESS)  # a supervisor's worker: its device
+    p.add_argument("--label", default=None, help=argparse.SUPPRESS)  # ... and its name in messages
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage", required=True, help="the job's study storage (URL or journal file)")
+    p.add_argument("--job", required=True, metavar="NAME", help="the job whose table to write")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder of the table (default: the user cache folder, where plans find it)")
+
+
+def add_create_arguments(p: argparse.ArgumentParser, cpu: bool) -> None:
+    add_tune_arguments(p, cpu)
+    p.add_argument("--for", dest="kind", choices=("gpu", "cpu"), default="gpu",
+                   help="the workers' device kind: its defaults and timing method (default %(default)s)")
+
+
 def add_explain_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch-size", type=_positive_int, required=True)
-    p.add_argument("--kv-len", type=_positive_int, required=True)
+    p.add_argument("--batch-size", type=positive_int, required=True)
+    p.add_argument("--kv-len", type=positive_int, required=True)
     p.add_argument("--heads", default="32:8", help="HQ:HKV (default %(default)s)")
-    p.add_argument("--head-dim", type=_positive_int, default=128)
-    p.add_argument("--page-size", type=_positive_int, default=16)
-    p.add_argument("--seq-len-q", type=_positive_int, default=1)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--seq-len-q", type=positive_int, default=1)
     p.add_argument("--packed", action="store_true")
     p.add_argument("--mask", choices=("dense", "causal"), default="dense")
     p.add_argument("--window-left", type=int, default=-1)
@@ -188,158 +200,544 @@ def add_explain_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(cpu: bool) -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog=PROG, description="Tune tsdecode's decode kernel on this GPU and write its config "
-        "table. The default subcommand is 'tune'.",
-        epilog="Examples: tsdecode-tune --preset llama3-8b --time-budget 300 | "
-               "tsdecode-tune explain --batch-size 8 --kv-len 8192 | tsdecode-tune report --help",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="{tune,explain,report}", parser_class=_Parser)
+    parser = Parser(prog=PROG, description="Tune tsdecode's decode kernel on this device and write its config "
+                    "table. The default subcommand is 'tune'.",
+                    epilog="Examples: tsdecode-tune --preset llama3-8b --time-budget 300 | "
+                           "tsdecode-tune explain --batch-size 8 --kv-len 8192 | tsdecode-tune report --help")
+    sub = parser.add_subparsers(dest="command", metavar="{tune,worker,export,create,explain,report}",
+                                parser_class=Parser)
     add_tune_arguments(sub.add_parser("tune", help="search configs and write the table (default)"), cpu)
+    add_worker_arguments(sub.add_parser("worker", help="join a job in a shared storage and tune its studies"))
+    add_export_arguments(sub.add_parser("export", help="write a job's table from its storage (also partial)"))
+    add_create_arguments(sub.add_parser("create", help="define a job in a storage for workers to run"), cpu)
     add_explain_arguments(sub.add_parser("explain", help="which table entry and config a shape gets"))
-    sub.add_parser("report", help="benchmark reports (tuner.report; see tsdecode-tune report --help)",
-                   add_help=False)
+    sub.add_parser("report", help="benchmark reports (see tsdecode-tune report --help)", add_help=False)
     return parser
 
 
 # ---------------------------------------------------------------------------------------------
-# Subcommands
+# tune
 # ---------------------------------------------------------------------------------------------
 
 
 def _limits(args):
-    from .search import SpaceLimits
+    from tsdecode.config import space as C
 
-    from tsdecode import configs as C
+    from .space import SpaceLimits
 
     fields = {}
     for name, allowed in (("block_n", C.BLOCK_N_CHOICES), ("block_m", C.BLOCK_M_CHOICES),
+                          ("num_kv_splits", range(1, C.MAX_NUM_KV_SPLITS + 1)),
                           ("num_warps", C.NUM_WARPS_CHOICES), ("num_stages", C.NUM_STAGES_CHOICES)):
         values = getattr(args, name)
         if values is None:
             continue
         bad = [v for v in values if v not in allowed]
         if bad:
-            raise UsageError(f"{PROG}: error: --{name.replace('_', '-')} {bad} not in {list(allowed)}")
+            what = f"[1, {C.MAX_NUM_KV_SPLITS}]" if name == "num_kv_splits" else list(allowed)
+            raise UsageError(f"{PROG}: error: --{name.replace('_', '-')} {bad} not in {what}")
         fields[name] = tuple(sorted(set(values)))
-    if args.num_kv_splits is not None:
-        bad = [v for v in args.num_kv_splits if not 1 <= v <= C.MAX_NUM_KV_SPLITS]
-        if bad:
-            raise UsageError(f"{PROG}: error: --num-kv-splits {bad} not in [1, {C.MAX_NUM_KV_SPLITS}]")
-        fields["num_kv_splits"] = tuple(sorted(set(args.num_kv_splits)))
     return SpaceLimits(**fields)
 
 
-def _no_grid_given(args) -> bool:
-    return not (args.preset or args.grid_file or args.batch_sizes or args.kv_lens)
-
-
-def _output_dir(args) -> Path:
-    """--out (default: the user table folder), created now: before the worker starts, so that a
-    path that cannot be a folder is a usage error."""
-    from tsdecode import tables
-
-    out_dir = Path(args.out) if args.out else tables.user_config_dir()
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UsageError(f"{PROG}: error: --out {out_dir}: exists and is not a folder")
+def _folder(path: Path, flag: str) -> Path:
+    """``path`` as an existing folder (created now, before any worker starts, so that a path
+    that cannot be a folder is a usage error)."""
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{PROG}: error: {flag} {path}: exists and is not a folder")
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"{PROG}: error: --out {out_dir}: cannot create the folder "
-                         f"({e.strerror or e})") from None
-    return out_dir
+        raise UsageError(f"{PROG}: error: {flag} {path}: cannot create the folder ({e.strerror or e})") from None
+    return path
 
 
-def run_tune(args, device: str) -> int:
-    cpu = device == "cpu"
+def explain_command(spec) -> str:
+    """The ``tsdecode-tune explain`` command line of one grid shape."""
+    parts = [f"{PROG} explain --batch-size {spec.batch_size} --kv-len {spec.kv_len} --heads "
+             f"{spec.num_qo_heads}:{spec.num_kv_heads} --head-dim {spec.head_dim} --page-size {spec.page_size}"]
+    if spec.seq_len_q != 1:
+        parts.append(f"--seq-len-q {spec.seq_len_q}")
+    if spec.packed:
+        parts.append("--packed")
+    if spec.mask_type != "dense":
+        parts.append(f"--mask {spec.mask_type}")
+    if spec.window_left >= 0:
+        parts.append(f"--window-left {spec.window_left}")
+    if spec.q_dtype != "bfloat16":
+        parts.append(f"--q-dtype {spec.q_dtype}")
+    for flag, name in (("--kv-dtype", spec.kv_dtype), ("--o-dtype", spec.o_dtype)):
+        if name != spec.q_dtype:
+            parts.append(f"{flag} {name}")
+    return " ".join(parts)
+
+
+def where_the_table_is_used(table: Path, spec) -> list[str]:
+    """The run's last lines: where the table is and how plans find it."""
+    from tsdecode.config.tables import CONFIG_DIR_ENV, user_config_dir
+
+    explain = explain_command(spec)
+    folder = table.parent.resolve()
+    lines = [f"table: {table}"]
+    if folder == user_config_dir().resolve():
+        lines.append(f"plans on this device use it from now on: search order: ${CONFIG_DIR_ENV}, the user cache "
+                     f"({folder}), the shipped tables; check with `{explain}`")
+        if os.environ.get(CONFIG_DIR_ENV):
+            lines.append(f"note: ${CONFIG_DIR_ENV}={os.environ[CONFIG_DIR_ENV]} is set and searched first")
+    else:
+        lines.append(f"plans do not search {folder} by default: set {CONFIG_DIR_ENV}={folder} (or call "
+                     f"tsdecode.config.tables.set_config_path) to use it; check with "
+                     f"`{CONFIG_DIR_ENV}={folder} {explain}`")
+    return lines
+
+
+def _specs(args, cpu: bool):
     from .grids import specs_from_args
 
-    if cpu and _no_grid_given(args):
+    if cpu and not (args.preset or args.grid_file or args.batch_sizes or args.kv_lens):
         args.preset = ["smoke"]
     try:
         specs = specs_from_args(args)
     except (ValueError, OSError) as e:  # bad preset, list, TOML file or empty grid
         raise UsageError(f"{PROG}: error: {e}") from None
-    limits = _limits(args)
     if cpu and any(s.batch_size * s.kv_len > 1 << 16 for s in specs):
-        print(f"{PROG}: warning: shapes this large take very long in the interpreter (and their "
-              "timings mean nothing); the smoke preset is meant for CPU runs", file=sys.stderr)
-    if args.inject_hook:
+        print(f"{PROG}: warning: shapes this large take very long in the interpreter (and their timings mean "
+              "nothing); the smoke preset is meant for CPU runs", file=sys.stderr)
+    return specs
+
+
+def _check_hook(hook: str | None) -> None:
+    if hook:
         from .runner import load_hook
 
         try:
-            load_hook(args.inject_hook)
+            load_hook(hook)
         except Exception as e:
             raise UsageError(f"{PROG}: error: --inject-hook: {e}") from None
-    out_dir = _output_dir(args)
 
+
+def _settings(args, cpu: bool, lookahead: int):
+    from . import search
+    from .study import Heartbeat
+
+    settings = search.TuneSettings(
+        trials=args.trials, time_budget=args.time_budget, seed=args.seed, top_k=args.top_k,
+        retime_rounds=args.retime_rounds, trial_timeout=args.trial_timeout, lookahead=lookahead,
+        limits=_limits(args), timing="wall" if cpu else "cuda-graph", replay_ms=args.replay_ms,
+        check_requests=args.check_requests)
+    grace = args.heartbeat_grace if args.heartbeat_grace is not None else 2 * args.trial_timeout
+    heartbeat = Heartbeat(interval=max(1, min(30, int(grace // 4))), grace=max(1, int(round(grace))))
+    return settings, heartbeat
+
+
+def _quiet_optuna() -> None:
     import warnings
 
     import optuna
 
-    from . import runner, search
-
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    echo = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+
+
+def echo(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _labelled(label: str):
+    if not label:
+        return echo
+    return lambda msg: echo("\n".join(f"[{label}] {line}" for line in msg.splitlines()))
+
+
+def _open(url: str, heartbeat=None, must_exist: bool = False, say=echo):
+    """The storage, with Optuna heartbeats whose stale trials are queued again."""
+    from .study import StorageError, open_storage, retry_trial
+
+    def stale(study, trial) -> None:
+        again = retry_trial(study, trial, "no heartbeat for the grace period")
+        say(f"  trial {trial.number} of {study.study_name.rsplit('|', 1)[0]}: no heartbeat for "
+            f"{heartbeat.grace} s (its worker died or lost the storage); "
+            + (f"queued again as trial {again}" if again is not None else "not queued again"))
+
+    try:
+        return open_storage(url, heartbeat, stale if heartbeat is not None else None, must_exist=must_exist)
+    except StorageError as e:
+        raise UsageError(f"{PROG}: error: {e}") from None
+
+
+def _job_error(e) -> UsageError:
+    return UsageError(f"{PROG}: error: {e}")
+
+
+def _start_client(args, device: str, check_requests: int, replay_ms: float):
+    from . import runner
+
+    options = runner.WorkerOptions(device=device, hook=args.inject_hook, check_requests=check_requests,
+                                   replay_ms=replay_ms)
+    client = runner.WorkerClient(options) if args.isolation == "process" else runner.InlineClient(options)
+    try:
+        hello = client.start()
+    except BaseException:
+        client.close()
+        raise
+    return client, hello
+
+
+def _identity(hello):
+    from tsdecode.config.tables import kernel_source_hash
+
+    from .job import Identity
+    from .runner import device_from_hello
+
+    return Identity(device_from_hello(hello), kernel_source_hash(), hello["triton"], hello["torch"],
+                    hello["copy_bandwidth_gbs"])
+
+
+def _open_run_storage(paths, heartbeat, log_path):
+    """Take the run lock, move a damaged study file aside (logged), open the storage."""
+    from .study import ResultLog, StudyBusy, lock_study, set_aside_if_damaged
+
+    try:
+        lock = lock_study(paths)
+    except StudyBusy as e:
+        raise UsageError(f"{PROG}: error: {e}") from None
+    try:
+        moved = set_aside_if_damaged(paths)
+        if moved is not None:
+            echo(f"warning: study storage {paths.storage_file} is unusable ({moved[1]}); moved aside to {moved[0]} "
+                 "and started afresh (tuned entries are kept in the table, finished buckets are not tuned again)")
+            log = ResultLog(log_path)  # trial numbers start again: older trial records are not theirs
+            log.write({"kind": "storage_reset", "storage": paths.storage, "moved_to": moved[0]})
+            log.close()
+        storage = _open(paths.storage, heartbeat)
+    except BaseException:
+        lock.release()
+        raise
+    return lock, storage
+
+
+def _define_job(args, storage, specs, settings, heartbeat, device_props, table: Path, cpu: bool):
+    """The run's job (created, or updated for a resume); None if --stale-only leaves nothing."""
+    from . import job as J
+    from . import search
+
+    buckets = search.group_buckets(specs)
+    if getattr(args, "stale_only", False):
+        stale = search.stale_buckets(table, buckets, device_props)
+        echo(f"--stale-only: {len(buckets) - len(stale)} of {len(buckets)} buckets up to date in {table}; "
+             f"tuning {len(stale)}")
+        buckets = stale
+        specs = [spec for b in buckets for spec in b.specs]
+    if not buckets:
+        return None
+    name = args.job or J.default_job_name(specs, settings, device_props.name)
+    previous = search.table_winners(table, buckets, device_props, settings.limits)
+    job = J.Job(name, tuple(specs), settings, heartbeat, previous, cpu, started=time.time())
+    try:
+        return J.save_job(storage, job)
+    except J.JobError as e:
+        raise _job_error(e) from None
+
+
+def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequence[str] = ()) -> int:
+    """Write the table from the storage, the CSV, the summary and the closing lines."""
+    from . import job as J
+    from . import search
+    from .study import write_trials_csv
+
+    ex = J.export(storage, job, paths.table.parent) if job is not None else None
+    if results is None:
+        results = ex.results if ex is not None else []
+    try:
+        write_trials_csv(paths.jsonl, paths.csv)
+    except Exception as e:  # the jsonl stays the record; the CSV is a convenience
+        echo(f"warning: could not write {paths.csv}: {e}")
+    print(search.summary_table(results))
+    for line in extra:
+        echo(line)
+    ok = sum(r.ok for r in results)
+    echo(f"{ok}/{len(results)} buckets tuned in {time.monotonic() - t_start:.0f} s")
+    if cpu:
+        echo(CPU_NOTE)
+    if not paths.table.exists():
+        echo(f"no table written: no bucket of the grid was tuned ({paths.table} does not exist)")
+        return 1
+    specs = job.specs if job is not None else ()
+    tuned = next((r.bucket.representative for r in results if r.ok), specs[0] if specs else None)
+    if tuned is not None:
+        for line in where_the_table_is_used(paths.table, tuned):
+            echo(line)
+    return 0 if ok == len(results) else 1
+
+
+def _export_interrupted(storage, job, paths) -> None:
+    """An interrupted run still writes the buckets it finished into the table."""
+    if storage is None or job is None:
+        return
+    from . import job as J
+
+    try:
+        ex = J.export(storage, job, paths.table.parent)
+    except Exception as e:
+        echo(f"{PROG}: could not write the finished buckets: {e}")
+        return
+    if ex.table is not None:
+        echo(f"{sum(r.ok for r in ex.results)} finished bucket(s) written to {ex.table}")
+
+
+def _one_slot(slot, isolation: str) -> str:
+    """The device of a run with one --devices slot, in this process: its subprocesses (measuring,
+    compiling) see only the slot's GPU; measured inline, this process (whose CUDA is already
+    initialised) opens that GPU by index."""
+    if slot.device == "cuda" and isolation == "inline":
+        return slot.label
+    os.environ.update(slot.env)
+    return slot.device
+
+
+def run_tune(args, device: str) -> int:
+    from .devices import parse_devices
+
+    if args.devices and args.device:
+        raise UsageError(f"{PROG}: error: --device and --devices: give one of them")
+    slots = parse_devices(args.devices) if args.devices else None
+    cpu = device == "cpu"
+    specs = _specs(args, cpu)
+    _limits(args)  # usage errors first, before anything is printed or started
+    _check_hook(args.inject_hook)
+    from tsdecode.config.tables import user_config_dir
+
+    if args.out:
+        table_dir = work_dir = _folder(Path(args.out), "--out")
+    else:
+        table_dir = _folder(user_config_dir(), "the user cache folder")
+        work_dir = _folder(user_config_dir().parent / "tuning", "the user cache folder")
+    _quiet_optuna()
     if cpu:
         echo("=" * 78 + "\n" + CPU_NOTE + "\n" + "=" * 78)
+    if slots is not None and len(slots) > 1:
+        return _tune_supervised(args, slots, specs, table_dir, work_dir, cpu)
+    if slots is not None:  # one device: this process is its worker, as without --devices
+        device = _one_slot(slots[0], args.isolation)
+    return _tune_here(args, device, specs, table_dir, work_dir, cpu)
+
+
+def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: bool) -> int:
+    """The run in this process: one worker (a measuring subprocess and a compile pool)."""
+    from . import job as J
+    from . import runner, search
+    from .devices import compile_workers_per_device
+    from .study import OutputPaths
 
     compile_workers = args.compile_workers
-    if compile_workers is None:
-        # Leave cores to the measuring worker and this process (host jitter delays replays).
-        compile_workers = 0 if cpu else max(0, min(8, (os.cpu_count() or 1) - 4))
-    settings = search.TuneSettings(
-        trials=args.trials, time_budget=args.time_budget, seed=args.seed, top_k=args.top_k,
-        retime_rounds=args.retime_rounds, trial_timeout=args.trial_timeout,
-        lookahead=max(1, compile_workers), limits=limits,
-        timing="wall" if cpu else "cuda-graph", replay_ms=args.replay_ms,
-        check_requests=args.check_requests,
-    )
-    buckets = search.group_buckets(specs)
-    options = runner.WorkerOptions(device=device, hook=args.inject_hook,
-                                   check_requests=args.check_requests, replay_ms=args.replay_ms)
+    if compile_workers is None:  # leave cores to the measuring worker and this process
+        compile_workers = compile_workers_per_device(1, cpu_mode=cpu)
+    settings, heartbeat = _settings(args, cpu, max(1, compile_workers))
     t_start = time.monotonic()
-    client = pool = tuner = None
+    client = pool = tuner = lock = storage = job = paths = None
+    results: list = []
     try:
-        if args.isolation == "process":
-            client = runner.WorkerClient(options)
-            hello = client.start()
-        else:
-            client = runner.InlineClient(options)
-            hello = client.call("hello")
-        device_info = runner.device_info_from_dict(hello["device"])
-        copy_bw = hello["copy_bandwidth_gbs"]
-        paths = search.OutputPaths.for_device(out_dir, device_info.name, args.storage)
-        echo(f"device: {device_info.describe()}; copy bandwidth {copy_bw:.0f} GB/s"
+        client, hello = _start_client(args, device, args.check_requests, args.replay_ms)
+        identity = _identity(hello)
+        props, copy_bw = identity.device, identity.copy_bandwidth_gbs
+        paths = OutputPaths.for_device(props.name, table_dir, work_dir, args.storage)
+        echo(f"device: {props.describe()}; copy bandwidth {copy_bw:.0f} GB/s"
              + (" (host memory, wall-clock)" if cpu else ""))
-        echo(f"grid: {len(specs)} shapes in {len(buckets)} buckets; {args.trials} configs per "
-             f"bucket" + (f", time budget {args.time_budget:.0f} s" if args.time_budget else ""))
-        echo(f"output: {paths.table}\n        {paths.jsonl}\n        {paths.csv}\n"
-             f"storage: {paths.storage}")
-        if compile_workers > 0:
-            pool = runner.CompilePool(compile_workers, device, args.inject_hook)
-        run_info = {"device_name": device_info.name, "interpreter": cpu,
-                    "triton": hello["triton"], "torch": hello["torch"],
-                    "grid": [s.name for s in specs]}
-        tuner = search.Tuner(settings, client, device_info=device_info, copy_bandwidth_gbs=copy_bw,
-                             paths=paths, pool=pool, progress=not args.no_progress, echo=echo,
-                             run_info=run_info, shared_memory_per_sm=hello["shared_memory_per_sm"])
-        tuner.log.write({"kind": "run", "device": device_info.to_dict(), "copy_bandwidth_gbs": copy_bw,
-                         "settings": settings.to_dict(), "worker_pid": hello["pid"], **run_info})
-        if args.stale_only:
-            stale = tuner.stale_buckets(buckets)
-            echo(f"--stale-only: {len(buckets) - len(stale)} of {len(buckets)} buckets up to date "
-                 f"in {paths.table}; tuning {len(stale)}")
-            buckets = stale
-        results = tuner.run(buckets)
+        buckets = search.group_buckets(specs)
+        echo(f"grid: {len(specs)} shapes in {len(buckets)} buckets; {args.trials} configs per bucket"
+             + (f", time budget {args.time_budget:.0f} s" if args.time_budget else ""))
+        echo(f"table: {paths.table}\ntrial log: {paths.jsonl}\ntrials CSV: {paths.csv}\nstudy storage: {paths.storage}")
+        lock, storage = _open_run_storage(paths, heartbeat, paths.jsonl)
+        job = _define_job(args, storage, specs, settings, heartbeat, props, paths.table, cpu)
+        if job is not None:
+            try:
+                J.pin(storage, job.name, identity)
+            except J.JobError as e:
+                raise _job_error(e) from None
+            echo(f"job: {job.name} (other hosts join with: {PROG} worker --storage {paths.storage} --job {job.name})")
+            if compile_workers > 0:
+                pool = runner.CompilePool(compile_workers, device, args.inject_hook)
+            tuner = search.Tuner(settings, client, device=props, copy_bandwidth_gbs=copy_bw, paths=paths,
+                                 storage=storage, pool=pool, progress=not args.no_progress, echo=echo,
+                                 heartbeat=heartbeat, previous=job.previous,
+                                 on_study=lambda b, n: J.record_study(storage, job.name, b, n))
+            tuner.log.write({"kind": "run", "device": props.to_dict(), "copy_bandwidth_gbs": copy_bw,
+                             "settings": settings.to_dict(), "worker_pid": hello["pid"], "job": job.name,
+                             **J.tuner_settings(job, identity)})
+            results = tuner.run(job.buckets, started=job.started)
     except runner.WorkerUnavailable as e:
         echo(f"{PROG}: error: {e}")
+        if lock is not None:
+            lock.release()
         return 1
-    except search.StudyBusy as e:
-        raise UsageError(f"{PROG}: error: {e}") from None
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            _export_interrupted(storage, job, paths)
+        if lock is not None:
+            lock.release()
+        if isinstance(e, KeyboardInterrupt):
+            echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
+            return 130
+        raise
+    finally:
+        if pool is not None:
+            pool.close(wait=False)
+        if client is not None:
+            client.close()
+        if tuner is not None:
+            tuner.close()
+    try:
+        extra = []
+        if pool is not None and pool.compiled:
+            extra.append(f"precompiled {pool.compiled} candidates in {compile_workers} processes ({pool.busy_s:.0f} s "
+                         "of compile work)")
+        if tuner is not None and tuner.measured_now:
+            extra.append(f"the measuring worker planned {tuner.measured_now} valid candidates in {tuner.plan_s:.0f} s "
+                         "(compiling what was not precompiled)")
+        return _finish(storage, job, paths, results, t_start, cpu, extra)
+    finally:
+        lock.release()
+
+
+def _tune_supervised(args, slots, specs, table_dir: Path, work_dir: Path, cpu: bool) -> int:
+    """The run as one worker process per slot, all on the job's studies; this process defines
+    the job, reports progress and writes the table at the end."""
+    from . import job as J
+    from . import search
+    from .devices import Supervisor, compile_workers_per_device, probe, worker_command
+    from .study import OutputPaths, ResultLog
+
+    props_list = probe(slots)
+    models = sorted({p.name for p in props_list})
+    if len(models) > 1:
+        raise UsageError(f"{PROG}: error: --devices {args.devices}: GPUs of several models ({', '.join(models)}); a "
+                         "job tunes one model: pass the indices of one model's GPUs")
+    props = props_list[0]
+    compile_workers = args.compile_workers
+    if compile_workers is None:
+        compile_workers = compile_workers_per_device(len(slots), cpu_mode=cpu)
+    settings, heartbeat = _settings(args, cpu, max(1, compile_workers))
+    t_start = time.monotonic()
+    paths = OutputPaths.for_device(props.name, table_dir, work_dir, args.storage)
+    echo(f"devices: {len(slots)} x {props.describe()}: {', '.join(s.label for s in slots)}; {compile_workers} "
+         f"compile process{'es' if compile_workers != 1 else ''} per worker")
+    buckets = search.group_buckets(specs)
+    echo(f"grid: {len(specs)} shapes in {len(buckets)} buckets; {args.trials} configs per bucket"
+         + (f", time budget {args.time_budget:.0f} s" if args.time_budget else ""))
+    echo(f"table: {paths.table}\ntrial log: {paths.jsonl}\ntrials CSV: {paths.csv}\nstudy storage: {paths.storage}")
+    lock, storage = _open_run_storage(paths, heartbeat, paths.jsonl)
+    try:
+        job = _define_job(args, storage, specs, settings, heartbeat, props, paths.table, cpu)
+        if job is None:
+            return _finish(storage, None, paths, [], t_start, cpu)
+        echo(f"job: {job.name} (other hosts join with: {PROG} worker --storage {paths.storage} --job {job.name})")
+        log = ResultLog(paths.jsonl)
+        log.write({"kind": "run", "device": props.to_dict(), "settings": settings.to_dict(), "job": job.name,
+                   "workers": [s.label for s in slots]})
+        log.close()
+        commands = [worker_command(s, storage=paths.storage, job=job.name, work_dir=work_dir,
+                                   compile_workers=compile_workers, isolation=args.isolation, hook=args.inject_hook)
+                    for s in slots]
+
+        def recover() -> None:
+            J.each_study(storage, job, lambda study, name: search.recover_dead(
+                study, name, storage=storage, storage_url=paths.storage, log_path=paths.jsonl,
+                grace=heartbeat.grace, echo=echo))
+
+        progress = None if args.no_progress else J.JobProgress(storage, job, props).line
+        try:
+            codes = Supervisor(slots, commands, echo=echo, recover=recover, progress=progress).run()
+        except KeyboardInterrupt:
+            _export_interrupted(storage, job, paths)
+            echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
+            return 130
+        if progress is not None:
+            echo(progress())
+        refused = [slots[i].label for i, rc in codes.items() if rc == 2]
+        rc = _finish(storage, job, paths, None, t_start, cpu)
+        return 2 if len(refused) == len(slots) else rc
+    finally:
+        lock.release()
+
+
+def run_worker(args, device: str) -> int:
+    """``tsdecode-tune worker``: join a job and tune its studies until every bucket is final."""
+    import socket
+
+    from . import job as J
+    from . import runner, search
+    from .devices import Supervisor, compile_workers_per_device, parse_devices, worker_command
+    from .study import OutputPaths
+
+    if args.devices and args.device:
+        raise UsageError(f"{PROG}: error: --device and --devices: give one of them")
+    _quiet_optuna()
+    storage = _open(args.storage, must_exist=True)
+    try:
+        job = J.load_job(storage, args.job)
+    except J.JobError as e:
+        raise _job_error(e) from None
+    _check_hook(args.inject_hook)
+    from tsdecode.config.tables import user_config_dir
+
+    work_dir = _folder(Path(args.out) if args.out else user_config_dir().parent / "tuning",
+                       "--out" if args.out else "the user cache folder")
+    slots = parse_devices(args.devices) if args.devices else None
+    cpu = device == "cpu"
+    if slots is not None and len(slots) > 1:
+        compile_workers = args.compile_workers
+        if compile_workers is None:
+            compile_workers = compile_workers_per_device(len(slots), cpu_mode=cpu)
+        commands = [worker_command(s, storage=args.storage, job=job.name, work_dir=work_dir,
+                                   compile_workers=compile_workers, isolation=args.isolation, hook=args.inject_hook)
+                    for s in slots]
+        storage = _open(args.storage, job.heartbeat)
+
+        def recover() -> None:
+            logs = sorted(work_dir.glob("*_trials.jsonl"))  # the workers' shared log, once they made it
+            J.each_study(storage, job, lambda study, name: search.recover_dead(
+                study, name, storage=storage, storage_url=args.storage,
+                log_path=logs[0] if logs else work_dir / "none.jsonl", grace=job.heartbeat.grace, echo=echo))
+
+        codes = Supervisor(slots, commands, echo=echo, recover=recover).run()
+        return max(codes.values(), default=0)
+    if slots is not None:
+        device = _one_slot(slots[0], args.isolation)
+    label = args.label or f"{socket.gethostname()}/{device}"
+    say = _labelled(label)
+    storage = _open(args.storage, job.heartbeat, say=say)
+    compile_workers = args.compile_workers
+    if compile_workers is None:
+        compile_workers = compile_workers_per_device(1, cpu_mode=cpu)
+    settings = search.TuneSettings.from_dict({**job.settings.to_dict(), "lookahead": max(1, compile_workers)})
+    client = pool = tuner = None
+    try:
+        client, hello = _start_client(args, device, settings.check_requests, settings.replay_ms)
+        identity = _identity(hello)
+        try:
+            J.pin(storage, job.name, identity)
+        except J.JobError as e:
+            raise _job_error(e) from None
+        job = J.mark_started(storage, job)
+        props = identity.device
+        paths = OutputPaths.for_device(props.name, work_dir, work_dir, args.storage)
+        say(f"worker {label} (pid {os.getpid()}): {props.describe()}; job {job.name}, {len(job.buckets)} buckets; "
+            f"trial log {paths.jsonl}")
+        if compile_workers > 0:
+            pool = runner.CompilePool(compile_workers, device, args.inject_hook)
+        tuner = search.Tuner(settings, client, device=props, copy_bandwidth_gbs=identity.copy_bandwidth_gbs,
+                             paths=paths, storage=storage, storage_url=args.storage, pool=pool,
+                             progress=not args.no_progress, echo=say, label=label, heartbeat=job.heartbeat,
+                             previous=job.previous, on_study=lambda b, n: J.record_study(storage, job.name, b, n),
+                             write_csv=False)
+        tuner.log.write({"kind": "worker", "label": label, "pid": os.getpid(), "worker_pid": hello["pid"],
+                         "job": job.name, "device": props.to_dict(), "copy_bandwidth_gbs": identity.copy_bandwidth_gbs})
+        results = tuner.run(job.buckets, started=job.started)
+    except runner.WorkerUnavailable as e:
+        say(f"{PROG}: error: {e}")
+        return 1
     except KeyboardInterrupt:
-        echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
+        say(f"{PROG} worker: interrupted; its unfinished trials are queued again")
         return 130
     finally:
         if pool is not None:
@@ -348,25 +746,79 @@ def run_tune(args, device: str) -> int:
             client.close()
         if tuner is not None:
             tuner.close()
-    elapsed = time.monotonic() - t_start
-    print(search.summary_table(results))
-    if pool is not None and pool.compiled:
-        echo(f"precompiled {pool.compiled} candidates in {compile_workers} processes "
-             f"({pool.busy_s:.0f} s of compile work)")
-    if tuner.measured_now:
-        echo(f"the measuring worker planned {tuner.measured_now} valid candidates in "
-             f"{tuner.plan_s:.0f} s (compiling what was not precompiled)")
-    ok = sum(r.ok for r in results)
-    echo(f"{ok}/{len(results)} buckets tuned in {elapsed:.0f} s; table {paths.table}")
-    if cpu:
-        echo(CPU_NOTE)
-    return 0 if ok == len(results) else 1
+    say(f"job {job.name}: every bucket is final ({sum(r.ok for r in results)} tuned); this worker measured "
+        f"{tuner.measured_now} configs")
+    return 0
+
+
+def run_export(args) -> int:
+    """``tsdecode-tune export``: the job's table from what its workers found."""
+    from tsdecode.config.tables import kernel_source_hash, user_config_dir
+
+    from . import job as J
+    from . import search
+
+    _quiet_optuna()
+    storage = _open(args.storage, must_exist=True)
+    try:
+        job = J.load_job(storage, args.job)
+    except J.JobError as e:
+        raise _job_error(e) from None
+    table_dir = _folder(Path(args.out) if args.out else user_config_dir(),
+                        "--out" if args.out else "the user cache folder")
+    identity = J.pinned(storage, job.name)
+    if identity is not None and identity.kernel_hash != kernel_source_hash():
+        echo(f"warning: the job was measured with kernel {identity.kernel_hash}, this tsdecode has "
+             f"{kernel_source_hash()}: the table records the job's, and this installation will call it stale")
+    ex = J.export(storage, job, table_dir)
+    print(search.summary_table(ex.results))
+    ok = sum(r.ok for r in ex.results)
+    pending = sum(r.pending for r in ex.results)
+    echo(f"job {job.name}: {ok} of {len(ex.results)} buckets tuned"
+         + (f", {pending} not finished yet" if pending else ""))
+    if ex.table is None:
+        echo("no table written: no bucket of the job is finished yet" if identity is not None
+             else f"no table written: no worker has joined job {job.name} yet")
+        return 1
+    tuned = next(r.bucket.representative for r in ex.results if r.ok)
+    for line in where_the_table_is_used(ex.table, tuned):
+        echo(line)
+    return 0
+
+
+def run_create(args) -> int:
+    """``tsdecode-tune create``: define a job in a storage (workers pin it to their GPU model)."""
+    from . import job as J
+
+    cpu = args.kind == "cpu"
+    if args.storage is None:
+        raise UsageError(f"{PROG} create: error: --storage is required (the storage the workers share)")
+    if args.devices or args.stale_only:
+        raise UsageError(f"{PROG} create: error: --devices and --stale-only belong to tune and worker")
+    specs = _specs(args, cpu)
+    _quiet_optuna()
+    settings, heartbeat = _settings(args, cpu, 1)
+    storage = _open(args.storage)
+    name = args.job or J.default_job_name(specs, settings, "")
+    try:
+        job = J.save_job(storage, J.Job(name, tuple(specs), settings, heartbeat, interpreter=cpu))
+    except J.JobError as e:
+        raise _job_error(e) from None
+    print(job.name)
+    echo(f"job {job.name}: {len(specs)} shapes in {len(job.buckets)} buckets; workers join with: "
+         f"{PROG} worker --storage {args.storage} --job {job.name} [--devices all]")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# explain, report
+# ---------------------------------------------------------------------------------------------
 
 
 def run_explain(args, device: str) -> int:
     import torch
 
-    from tsdecode import tables
+    import tsdecode
 
     from .grids import DTYPES
 
@@ -376,32 +828,26 @@ def run_explain(args, device: str) -> int:
         raise UsageError(f"{PROG} explain: error: --heads expects HQ:HKV like 32:8, got {args.heads!r}") from None
 
     def dtype(name):
-        if name is None:
-            return None
-        if name not in DTYPES:
+        if name is not None and name not in DTYPES:
             raise UsageError(f"{PROG} explain: error: unknown dtype {name!r}; one of {list(DTYPES)}")
-        return DTYPES[name]
+        return None if name is None else DTYPES[name]
 
     try:
-        text = tables.explain(
-            args.batch_size, args.kv_len, hq, hkv, args.head_dim, args.page_size,
-            seq_len_q=args.seq_len_q, packed=args.packed, mask_type=args.mask,
-            window_left=args.window_left, q_dtype=dtype(args.q_dtype), kv_dtype=dtype(args.kv_dtype),
-            o_dtype=dtype(args.o_dtype), device=torch.device(device), config_dir=args.config_dir,
-        )
-    except (ValueError, TypeError) as e:
+        text = tsdecode.explain(
+            args.batch_size, args.kv_len, hq, hkv, args.head_dim, args.page_size, seq_len_q=args.seq_len_q,
+            packed=args.packed, mask_type=args.mask, window_left=args.window_left, q_dtype=dtype(args.q_dtype),
+            kv_dtype=dtype(args.kv_dtype), o_dtype=dtype(args.o_dtype), device=torch.device(device),
+            config_dir=args.config_dir)
+    except (ValueError, TypeError, NotImplementedError) as e:
         raise UsageError(f"{PROG} explain: error: {e}") from None
     print(text)
     return 0
 
 
 def run_report(report_argv: list[str]) -> int:
-    """Delegate to tuner.report (imported only here: it is optional)."""
-    try:
-        from . import report
-    except ImportError as e:
-        raise UsageError(f"{PROG} report: error: the report module is not available ({e})") from None
-    parser = _Parser(prog=f"{PROG} report", description=(report.__doc__ or "").split("\n\n")[0])
+    from . import report
+
+    parser = Parser(prog=f"{PROG} report", description=(report.__doc__ or "").split("\n\n")[0])
     report.add_report_arguments(parser)
     return int(report.run_report(parser.parse_args(report_argv)) or 0)
 
@@ -409,7 +855,10 @@ def run_report(report_argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        device = select_device(argv)  # first: decides TRITON_INTERPRET before triton is imported
+        if argv and argv[0] in ("create", "export"):  # no device of their own
+            device = "cpu" if argv[0] == "create" and _flag(argv, "--for") == "cpu" else "cuda"
+        else:
+            device = select_device(argv)  # first: decides TRITON_INTERPRET before triton is imported
         if argv and argv[0] == "report":  # its own parser, from tuner.report
             return run_report(argv[1:])
         if not argv or argv[0] not in SUBCOMMANDS + ("-h", "--help"):
@@ -417,12 +866,19 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(device == "cpu").parse_args(argv)
         if args.command == "explain":
             return run_explain(args, device)
+        require_tune_extra()
+        if args.command == "worker":
+            return run_worker(args, args.device or device)
+        if args.command == "export":
+            return run_export(args)
+        if args.command == "create":
+            return run_create(args)
         return run_tune(args, device)
     except UsageError as e:
         print(str(e), file=sys.stderr)
         return 2
     except SystemExit as e:  # --help
-        return int(e.code or 0) if isinstance(e.code, int) else 0
+        return e.code if isinstance(e.code, int) else 0
 
 
 if __name__ == "__main__":

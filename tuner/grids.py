@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import asdict, dataclass, replace
+from typing import Sequence
 
 import torch
 
-from tsdecode.configs import ProblemShape
+from tsdecode.config.space import ProblemShape
+from tsdecode.config.tables import dtype_name
 
-DTYPES = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float32": torch.float32,
-}
+from .arguments import int_list
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported dtype {dtype}")
+# The dtypes a grid may name, by the names tables and reports use (``tables.dtype_name``).
+DTYPES = {dtype_name(d): d for d in (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32)}
 
 
 @dataclass(frozen=True)
@@ -78,13 +71,16 @@ class ShapeSpec:
     def mask_kind(self) -> str:
         return "windowed" if self.window_left >= 0 else self.mask_type
 
-    def to_problem_shape(self) -> ProblemShape:
+    def to_problem_shape(self, seq_lens: Sequence[int] | None = None) -> ProblemShape:
+        """The runtime's view of this case; ``seq_lens`` (the drawn lengths) sets the length spread
+        a plan owning them sees."""
+        spread = 1.0 if not seq_lens else max(seq_lens) * len(seq_lens) / sum(seq_lens)
         return ProblemShape(
             batch_size=self.batch_size, num_qo_heads=self.num_qo_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=self.page_size,
             max_kv_len=self.kv_len, max_seq_len_q=self.seq_len_q, packed=self.packed,
             mask_kind=self.mask_kind, q_dtype=DTYPES[self.q_dtype], kv_dtype=DTYPES[self.kv_dtype],
-            o_dtype=DTYPES[self.o_dtype], window_left=self.window_left,
+            o_dtype=DTYPES[self.o_dtype], kv_len_spread=spread, window_left=self.window_left,
         )
 
     def to_dict(self) -> dict:
@@ -97,7 +93,7 @@ def grid(batch_sizes, kv_lens, **fixed) -> list[ShapeSpec]:
 
 
 def _llama(hq: int, hkv: int) -> list[ShapeSpec]:
-    # The issue's and the anchors' decode shapes; K/V working sets up to 16 GiB.
+    # Llama-3 decode shapes of serving engines; K/V working sets up to 16 GiB.
     return grid((1, 8, 32, 128), (1024, 8192, 32768), num_qo_heads=hq, num_kv_heads=hkv) + [
         ShapeSpec(1, 131072, num_qo_heads=hq, num_kv_heads=hkv),
         ShapeSpec(256, 4096, num_qo_heads=hq, num_kv_heads=hkv),
@@ -130,15 +126,6 @@ def preset(name: str) -> list[ShapeSpec]:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return list(PRESETS[name])
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"expected a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _heads_list(text: str) -> list[tuple[int, int]]:
@@ -185,7 +172,7 @@ def _ints(value, what: str, single: bool = False) -> list[int]:
     """Positive ints from "1,8,64" or a TOML array [1, 8, 64] (or one int if ``single``)."""
     if isinstance(value, str):
         try:
-            return _int_list(value)
+            return int_list(value)
         except ValueError as e:
             raise ValueError(f"{what}: {e}") from None
     if single and type(value) is int:

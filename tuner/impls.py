@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-import tsdecode
-from tsdecode.configs import KernelConfig, device_num_sms, device_shared_memory_per_sm, heuristic_config
+from tsdecode.config.heuristic import heuristic_config, scale_splits_to_raggedness
+from tsdecode.device import device_properties
 
 from .grids import DTYPES, ShapeSpec
-from .measure import DecodeInputs
+from .measure import DecodeInputs, decode_call, plan_wrapper
 
 KINDS = ("tsdecode", "baseline", "peer")
 
@@ -98,32 +98,13 @@ def unregister_impl(name: str) -> None:
 # tsdecode
 
 
-def plan_wrapper(spec: ShapeSpec, inputs: DecodeInputs, config: KernelConfig | None):
-    """A BatchDecodePagedTSWrapper planned for ``inputs`` (config None: what the runtime picks)."""
-    w = tsdecode.BatchDecodePagedTSWrapper()
-    kwargs: dict[str, Any] = dict(
-        q_data_type=DTYPES[spec.q_dtype], kv_data_type=DTYPES[spec.kv_dtype],
-        o_data_type=DTYPES[spec.o_dtype], mask_type=spec.mask_type, window_left=spec.window_left,
-        config=config,
-    )
-    if spec.packed:
-        kwargs.update(qo_indptr=inputs.qo_indptr, max_seq_len_q=spec.seq_len_q)
-    else:
-        kwargs.update(seq_len_q=spec.seq_len_q)
-    w.plan(inputs.block_tables, inputs.seq_lens, spec.num_qo_heads, spec.num_kv_heads,
-           spec.head_dim, spec.page_size, **kwargs)
-    return w
-
-
 def _wrapper_call(w, inputs: DecodeInputs, source: str) -> Prepared:
     selected = w.config
     notes = list(selected.adjustments)
     if selected.table_path:
         notes.insert(0, f"{selected.table_path} bucket(batch_size, kv_len)={selected.bucket}")
-    return Prepared(
-        lambda: w.run(inputs.q, inputs.cache, out=inputs.out),
-        config=selected.kernel_config.to_dict(), config_source=source, config_note="; ".join(notes),
-    )
+    return Prepared(decode_call(w, inputs), config=selected.kernel_config.to_dict(), config_source=source,
+                    config_note="; ".join(notes))
 
 
 def tuned_factory(spec: ShapeSpec, inputs: DecodeInputs) -> Prepared:
@@ -137,10 +118,11 @@ def tuned_factory(spec: ShapeSpec, inputs: DecodeInputs) -> Prepared:
 
 
 def heuristic_factory(spec: ShapeSpec, inputs: DecodeInputs) -> Prepared:
-    """tsdecode with tsdecode.configs.heuristic_config for this shape and GPU."""
-    device = inputs.q.device
-    config = heuristic_config(spec.to_problem_shape(), device_num_sms(device),
-                              device_shared_memory_per_sm(device))
+    """tsdecode with the config a plan takes where no table has an entry: the heuristic's, its
+    splits scaled to the drawn lengths' spread."""
+    props = device_properties(inputs.q.device)
+    shape = spec.to_problem_shape(inputs.seq_lens.tolist())
+    config, _ = scale_splits_to_raggedness(heuristic_config(shape, props), shape, props)
     return _wrapper_call(plan_wrapper(spec, inputs, config), inputs, "heuristic")
 
 
@@ -349,7 +331,7 @@ def flex_attention_factory(spec: ShapeSpec, inputs: DecodeInputs) -> Prepared:
         mask_mod = _flex_mask_mod(spec, state["page_pos"], inputs.seq_lens, owner)
     kv_num_blocks = torch.tensor(pages, dtype=torch.int32, device=device).view(B, 1, 1)
     kv_indices = torch.zeros((B, 1, 1, num_pages), dtype=torch.int32, device=device)
-    kv_indices[:, 0, 0, : tables.shape[1]] = tables
+    kv_indices[:, 0, 0, : max(pages)] = tables[:, : max(pages)]
     block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks, kv_indices, BLOCK_SIZE=(FLEX_Q_BLOCK, P), mask_mod=mask_mod,
         seq_lengths=(spec.seq_len_q, num_pages * P),
@@ -409,7 +391,7 @@ def flashinfer_factory(spec: ShapeSpec, inputs: DecodeInputs) -> Prepared:
 register_impl("tuned", tuned_factory, kind="tsdecode",
               description="tsdecode, config from the tuned table (plan with config=None)")
 register_impl("heuristic", heuristic_factory, kind="tsdecode",
-              description="tsdecode, tsdecode.configs.heuristic_config")
+              description="tsdecode, the heuristic's config (tsdecode.config.heuristic)")
 register_impl("torch_sdpa", torch_sdpa_factory, kind="baseline",
               description="index_select gather to dense K/V + F.scaled_dot_product_attention")
 register_impl("flex_attention", flex_attention_factory, kind="baseline",

@@ -1,7 +1,8 @@
-"""Measurement: random inputs for a ShapeSpec, bytes moved, CUDA-graph timing, copy bandwidth.
+"""Measurement: random inputs for a ShapeSpec, a planned wrapper over them, bytes moved, CUDA-graph
+timing, copy bandwidth.
 
-The timing method is the one of ``shared/anchors/h200_peers.md`` so numbers compare with the
-peers': R back-to-back calls, each on its own inputs over disjoint pages of one pool
+The timing method is the one the peers' published decode numbers use, so numbers compare:
+R back-to-back calls, each on its own inputs over disjoint pages of one pool
 (R = ceil(256 MiB / K/V bytes read), at most 64), captured in one CUDA graph and replayed for about
 80 ms; the reported time is the median replay time / R. This keeps K/V out of L2 and hides launch
 gaps the way a graphed decode step does. Without CUDA (interpreter) times are wall-clock and
@@ -14,9 +15,11 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
+
+from tsdecode import BatchDecodePagedTSWrapper, KernelConfig
 
 from .grids import DTYPES, ShapeSpec
 
@@ -27,8 +30,9 @@ POOL_BUDGET_BYTES = 16 * 2**30  # whole caches of all copies (windowed shapes re
 
 @dataclass
 class DecodeInputs:
-    """One input set: q, cache [num_pages, 2, Hkv, P, D], block_tables [B, C], seq_lens [B],
-    qo_indptr [B+1] (packed only) and a preallocated output."""
+    """One input set: q, cache [num_pages, 2, Hkv, P, D], block_tables [B, C] (C padded to a
+    multiple of 16, the row stride a plan compiles for), seq_lens [B], qo_indptr [B+1] (packed
+    only) and a preallocated output."""
 
     q: torch.Tensor
     cache: torch.Tensor
@@ -93,7 +97,7 @@ def input_q_lens(inputs: "DecodeInputs") -> list[int] | None:
 
 
 def num_copies(spec: ShapeSpec) -> int:
-    """Input sets to rotate through so K/V stays out of L2 (the anchors' R): enough that the
+    """Input sets to rotate through so K/V stays out of L2 (R above): enough that the
     calls of one replay read L2_FLUSH_BYTES of visible K/V, at most MAX_COPIES, and no more than
     fit POOL_BUDGET_BYTES of whole caches (a sliding window reads a small part of each)."""
     visible = max(1, kv_bytes(spec))
@@ -114,7 +118,7 @@ def make_inputs(spec: ShapeSpec, device: torch.device | str, copies: int = 1, se
     q_lens = q_lens_for(spec, gen)
     p = spec.page_size
     pages = [-(-n // p) for n in lens]
-    cols = max(pages)
+    cols = -(-max(pages) // 16) * 16
     per_copy = sum(pages)
     pool_pages = per_copy * copies
     kv_dtype = DTYPES[spec.kv_dtype]
@@ -151,6 +155,33 @@ def make_inputs(spec: ShapeSpec, device: torch.device | str, copies: int = 1, se
     return sets
 
 
+def plan_wrapper(spec: ShapeSpec, inputs: DecodeInputs,
+                 config: KernelConfig | None = None) -> BatchDecodePagedTSWrapper:
+    """A wrapper planned for ``inputs`` (config None: what the runtime picks). The plan owns the
+    drawn lengths, so it sees their spread as a serving engine's plan would."""
+    w = BatchDecodePagedTSWrapper()
+    w.plan(inputs.q.device, spec.batch_size, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+           spec.page_size, spec.kv_len, max_seq_len_q=spec.seq_len_q, packed_query=spec.packed,
+           q_data_type=DTYPES[spec.q_dtype], kv_data_type=DTYPES[spec.kv_dtype],
+           o_data_type=DTYPES[spec.o_dtype], mask_type=spec.mask_type, window_left=spec.window_left,
+           seq_lens=inputs.seq_lens.tolist(), config=config)
+    return w
+
+
+def decode_call(w: BatchDecodePagedTSWrapper, inputs: DecodeInputs,
+                validate: bool = False) -> Callable[[], torch.Tensor]:
+    """``w.run`` on ``inputs`` into ``inputs.out``; without validation by default, as a CUDA graph
+    captures it (check the metadata once with ``validate=True`` first)."""
+    return lambda: w.run(inputs.q, inputs.cache, None, inputs.block_tables, qo_indptr=inputs.qo_indptr,
+                         out=inputs.out, validate=validate)
+
+
+def geomean(values: Iterable[float]) -> float | None:
+    """Geometric mean of the positive finite values (None if there are none)."""
+    vals = [v for v in values if v is not None and v > 0 and math.isfinite(v)]
+    return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
+
+
 def graph_time_us(calls: Sequence[Callable[[], object]], replay_ms: float = 80.0, min_replays: int = 5) -> float:
     """Median time of one call (us): the median of ``graph_times_us``."""
     return statistics.median(graph_times_us(calls, replay_ms, min_replays))
@@ -162,12 +193,13 @@ def wall_time_us(call: Callable[[], object], repeats: int = 1) -> float:
 
 
 def copy_bandwidth_gbs(device: torch.device | str = "cuda", nbytes: int = 2 * 2**30, repeats: int = 20) -> float:
-    """Device-to-device copy bandwidth in GB/s (1e9 B/s), counting bytes read plus written.
-
-    Timed eagerly with events (a ~1 ms copy hides launch overhead). The same copy captured in a
-    CUDA graph measured ~2765 GB/s on an H200 against ~4250 eager (docs/perf-notes.md), likely
-    because the graph turns it into a memcpy node served by a copy engine.
-    """
+    """Copy bandwidth in GB/s (1e9 B/s), counting bytes read plus written: device-to-device on a
+    GPU, timed eagerly with events (a ~1 ms copy hides launch overhead; a graphed copy becomes a
+    copy-engine memcpy node and measures lower); host memory on the CPU (at most 64 MiB,
+    wall-clock: the CPU mode's stand-in)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return _host_copy_bandwidth_gbs(min(nbytes, 64 * 2**20))
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     for _ in range(3):
@@ -182,6 +214,28 @@ def copy_bandwidth_gbs(device: torch.device | str = "cuda", nbytes: int = 2 * 2*
         times.append(start.elapsed_time(end))
     del src, dst
     return 2 * nbytes / (statistics.median(times) * 1e-3) / 1e9
+
+
+def _host_copy_bandwidth_gbs(nbytes: int) -> float:
+    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    us = statistics.median(wall_times_us(lambda: dst.copy_(src), repeats=5))
+    return 2 * src.numel() * 4 / (us * 1e-6) / 1e9
+
+
+def reference_rows(spec: ShapeSpec, inputs: DecodeInputs, count: int) -> tuple[torch.Tensor, int, int]:
+    """The float64 reference of the first ``count`` requests (at least one, at most B), the
+    output rows they fill (the first ``stop``) and how many requests that is."""
+    from tsdecode.reference import reference_decode
+
+    k = max(1, min(count, spec.batch_size))
+    stop = int(inputs.qo_indptr[k]) if inputs.qo_indptr is not None else k
+    with torch.no_grad():
+        ref = reference_decode(
+            inputs.q[:stop], inputs.cache, inputs.block_tables[:k], inputs.seq_lens[:k], seq_len_q=spec.seq_len_q,
+            qo_indptr=None if inputs.qo_indptr is None else inputs.qo_indptr[: k + 1], mask_type=spec.mask_type,
+            window_left=spec.window_left, compute_dtype=torch.float64)
+    return ref, stop, k
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -1,8 +1,8 @@
 """Performance reports: benchmark a shape grid into ``results.csv`` and a self-contained
 ``report.html``; re-render from a CSV (``--from-csv``) or compare two CSVs (``--compare``).
 
-Entry points: ``tsdecode-tune report ...`` (tuner/cli.py calls ``add_report_arguments`` and
-``run_report``) and ``python -m tuner.report ...``. See docs/reports.md.
+Entry points: ``tsdecode-tune report ...`` and ``python -m tuner.report ...``. Without ``--out``
+a report goes to ``<user cache>/reports/<device>/<UTC time>/``. See docs/reports.md.
 """
 
 from __future__ import annotations
@@ -26,10 +26,18 @@ from typing import Iterable, Sequence
 
 import torch
 
+from tsdecode import KernelConfig
+from tsdecode.config.tables import user_config_dir
+from tsdecode.device import DeviceProperties, device_properties
+from tsdecode.device import INTERPRETER as INTERPRETER_ACTIVE
+
 from . import html as H
 from . import impls as I
 from . import measure
+from .arguments import Parser, UsageError, nonnegative_float, positive_float
 from .grids import ShapeSpec, add_grid_arguments, specs_from_args
+from .measure import geomean
+from .space import config_text
 
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ShapeSpec))
 BASE_COLUMNS = (
@@ -41,12 +49,13 @@ BASE_COLUMNS = (
 )
 TAIL_COLUMNS = (
     "rel_error", "tolerance", "error_ok", "checked_requests", "config", "config_source",
-    "config_note", "impl_note", "gpu", "num_sms", "driver", "cuda_version", "torch_version",
+    "config_note", "impl_note", "device", "sm_count", "compute_capability", "driver", "cuda_version",
+    "torch_version",
     "triton_version", "tsdecode_version", "date",
 )
 INT_COLUMNS = {"batch_size", "kv_len", "num_qo_heads", "num_kv_heads", "head_dim", "page_size",
                "seq_len_q", "window_left", "copies", "replays", "bytes_moved", "checked_requests",
-               "num_sms"}
+               "sm_count"}
 BOOL_COLUMNS = {"packed", "ragged", "error_ok"}
 FLOAT_COLUMNS = {"time_us_median", "time_us_min", "time_us_max", "achieved_gbs", "copy_bw_gbs",
                  "frac_copy_bw", "rel_error", "tolerance"}
@@ -56,6 +65,8 @@ CELL_COLUMNS = ("shape",) + SPEC_FIELDS + ("impl", "impl_kind", "status")
 REQUIRED_COLUMNS = CELL_COLUMNS + ("time_us_median", "time_us_min", "time_us_max", "achieved_gbs",
                                    "copy_bw_gbs", "frac_copy_bw")
 TEXT_COLUMNS = ("reason", "timing_note", "config_note", "impl_note", "config_source")
+# Columns of reports written before they took the names tsdecode.device uses.
+RENAMED_COLUMNS = {"gpu": "device", "num_sms": "sm_count"}
 CUDA_GRAPH = "cuda_graph"
 CUDA_EAGER = "cuda_events_eager"
 INTERPRETER = "wall_clock_interpreter"
@@ -72,25 +83,23 @@ IMPL_COLORS = {RUNTIME: "#4e79a7", "tuned": "#4e79a7", "heuristic": "#a0cbe8",
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tsdecode-tune report`` (and ``python -m tuner.report``)."""
-    from .cli import _bounded  # finite numbers only: nan or inf would be no limit or no time
-
-    positive, nonneg = _bounded(float, 0, strict=True), _bounded(float, 0, strict=False)
     add_grid_arguments(parser)
     g = parser.add_argument_group("report")
     g.add_argument("--out", default=None,
-                   help="output folder (default reports/<gpu>/<date>/; compare: reports/compare/<date>/)")
+                   help="output folder (default: <user cache>/reports/<device>/<UTC time>/, compare: "
+                        "<user cache>/reports/compare/<UTC time>/; --from-csv: the CSV's folder)")
     g.add_argument("--filter", default=None, metavar="REGEX",
                    help="keep only grid shapes whose name matches (re.search), e.g. 'B1_|L32768'")
     g.add_argument("--impls", default="all",
                    help=f"comma-separated implementations (default all): {', '.join(I.IMPLS)}")
     g.add_argument("--device", default=None, help="cuda (default when available) or cpu (interpreter)")
-    g.add_argument("--replay-ms", type=positive, default=80.0,
-                   help="CUDA-graph replay time per measurement (the anchors use 80)")
+    g.add_argument("--replay-ms", type=positive_float, default=80.0,
+                   help="CUDA-graph replay time per measurement (default %(default)s)")
     g.add_argument("--cpu-repeats", type=int, default=1, help="timed calls per case on CPU")
     g.add_argument("--check-requests", type=int, default=2,
                    help="requests compared with the float64 reference per shape (the first N)")
-    g.add_argument("--copy-gib", type=positive, default=2.0, help="buffer size of the copy-bandwidth test")
-    g.add_argument("--budget-s", type=nonneg, default=None, metavar="SECONDS",
+    g.add_argument("--copy-gib", type=positive_float, default=2.0, help="buffer size of the copy-bandwidth test")
+    g.add_argument("--budget-s", type=nonnegative_float, default=None, metavar="SECONDS",
                    help="start no new shape after this many seconds (the rest: skipped rows)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--title", default=None, help="page title")
@@ -115,25 +124,31 @@ def _parse_impls(text: str) -> list[I.Impl]:
 
 
 def environment(device: torch.device) -> dict:
+    """The columns every row of a run shares: the device (``tsdecode.device``) and the versions."""
     import triton
 
     import tsdecode
-    from tsdecode.configs import device_num_sms
 
-    env = {
-        "torch_version": torch.__version__, "triton_version": triton.__version__,
-        "tsdecode_version": getattr(tsdecode, "__version__", "?"),
-        "cuda_version": torch.version.cuda or "n/a",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-        "num_sms": device_num_sms(device),
-    }
+    props = device_properties(device)
+    driver = "n/a"
     if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
-        env["driver"] = _driver_version(device) or (f"CUDA {torch.version.cuda}" if torch.version.cuda else "n/a")
-    else:
-        env["gpu"] = "CPU (Triton interpreter)"
-        env["driver"] = "n/a"
-    return env
+        driver = _driver_version(device) or (f"CUDA {torch.version.cuda}" if torch.version.cuda else "n/a")
+    return {
+        "device": props.name, "sm_count": props.sm_count,
+        "compute_capability": "{}.{}".format(*props.compute_capability), "driver": driver,
+        "torch_version": torch.__version__, "triton_version": triton.__version__,
+        "tsdecode_version": getattr(tsdecode, "__version__", "?"), "cuda_version": torch.version.cuda or "n/a",
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+    }
+
+
+def describe_device(meta: dict) -> str:
+    """A run's device as ``DeviceProperties.describe`` words it (CPU cores or SMs)."""
+    try:
+        major, minor = (int(x) for x in str(meta.get("compute_capability")).split("."))
+        return DeviceProperties(meta["device"], int(meta["sm_count"]), (major, minor)).describe()
+    except (TypeError, ValueError, KeyError):  # a CSV without these columns
+        return str(meta.get("device") or "unknown device")
 
 
 def _driver_version(device: torch.device) -> str | None:
@@ -155,14 +170,18 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
-def copy_bandwidth(device: torch.device, gib: float) -> float:
-    """GB/s (read + write) of a device-to-device copy; on CPU a wall-clock memcpy (meaningless)."""
-    if device.type == "cuda":
-        return measure.copy_bandwidth_gbs(device, nbytes=int(gib * 2**30))
-    src = torch.ones(16 * 2**20 // 4)
-    dst = torch.empty_like(src)
-    us = statistics.median(measure.wall_times_us(lambda: dst.copy_(src), repeats=5))
-    return 2 * src.numel() * 4 / (us * 1e-6) / 1e9
+def default_report_dir(kind: str) -> Path:
+    """A new folder ``<user cache>/reports/<kind>/<UTC time>/`` (never the working directory: a
+    report run from a checkout must not write into it)."""
+    root = user_config_dir().parent / "reports" / kind
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
+    out, n = root / stamp, 1
+    while out.exists():
+        n += 1
+        out = root / f"{stamp}-{n}"
+    return out
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,23 +195,6 @@ class Options:
     cpu_repeats: int = 1
     check_requests: int = 2
     seed: int = 0
-
-
-def _reference(spec: ShapeSpec, inputs: measure.DecodeInputs, count: int):
-    """float64 reference of the first ``count`` requests, and how to slice outputs to match."""
-    from tsdecode.reference import reference_decode
-
-    k = max(1, min(count, spec.batch_size))
-    if spec.packed:
-        stop = int(inputs.qo_indptr[k])
-        q, indptr = inputs.q[:stop], inputs.qo_indptr[: k + 1]
-    else:
-        stop, q, indptr = k, inputs.q[:k], None
-    ref = reference_decode(
-        q, inputs.cache, inputs.block_tables[:k], inputs.seq_lens[:k], seq_len_q=spec.seq_len_q,
-        qo_indptr=indptr, mask_type=spec.mask_type, window_left=spec.window_left,
-    )
-    return ref, stop, k
 
 
 def _time(calls: Sequence, opts: Options) -> tuple[list[float], str, str]:
@@ -241,7 +243,7 @@ def benchmark_shape(spec: ShapeSpec, impls: Sequence[I.Impl], opts: Options, env
     first = inputs[0]
     total_q = first.q.shape[0] if spec.packed else spec.batch_size * spec.seq_len_q
     nbytes = measure.bytes_moved(spec, first.seq_lens.tolist(), total_q, measure.input_q_lens(first))
-    ref, stop, checked = _reference(spec, first, opts.check_requests)
+    ref, stop, checked = measure.reference_rows(spec, first, opts.check_requests)
     tol = measure.tolerance(spec)
     rows = []
     no_table = None
@@ -345,9 +347,7 @@ def run_benchmark(args: argparse.Namespace, log=print) -> tuple[list[dict], Path
     impls = _parse_impls(args.impls)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
-        from tsdecode.kernels.decode import interpreter_active
-
-        if not interpreter_active():
+        if not INTERPRETER_ACTIVE:
             raise RuntimeError("no CUDA device: set TRITON_INTERPRET=1 (before Python starts) to "
                                "run the report on the CPU through Triton's interpreter")
     elif device.type == "cuda":
@@ -356,14 +356,14 @@ def run_benchmark(args: argparse.Namespace, log=print) -> tuple[list[dict], Path
         torch.cuda.set_device(device)
     opts = Options(device, args.replay_ms, args.cpu_repeats, args.check_requests, args.seed)
     env = environment(device)
-    log(f"report: {len(specs)} shapes x {len(impls)} implementations on {env['gpu']}")
+    log(f"report: {len(specs)} shapes x {len(impls)} implementations on {describe_device(env)}")
     if device.type != "cuda":
         log(f"  !!! {MEANINGLESS} !!!")
-    copy_bw = copy_bandwidth(device, args.copy_gib)
+    copy_bw = measure.copy_bandwidth_gbs(device, nbytes=int(args.copy_gib * 2**30))
     log(f"  copy bandwidth {copy_bw:.0f} GB/s")
-    day = env["date"][:10]
-    out = Path(args.out) if args.out else Path("reports") / _slug(env["gpu"]) / day
+    out = Path(args.out) if args.out else default_report_dir(_slug(env["device"]))
     out.mkdir(parents=True, exist_ok=True)
+    log(f"  writing to {out}")
     rows: list[dict] = []
     start = time.perf_counter()
     for i, spec in enumerate(specs):
@@ -457,6 +457,7 @@ def read_csv(path: str | Path) -> list[dict]:
                 for k, v in raw.items():
                     if k is None:  # more cells than the header has columns
                         raise ValueError(f"{where}: more cells than columns")
+                    k = RENAMED_COLUMNS.get(k, k)
                     if v is None or v == "":
                         row[k] = "" if k in TEXT_COLUMNS else None
                         continue
@@ -495,11 +496,6 @@ def family_of(spec: ShapeSpec) -> str:
     return " ".join(spec.name.split("_")[2:])
 
 
-def geomean(values: Iterable[float]) -> float | None:
-    vals = [v for v in values if v and v > 0 and math.isfinite(v)]
-    return math.exp(sum(map(math.log, vals)) / len(vals)) if vals else None
-
-
 def _finite(v: object) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -527,9 +523,10 @@ class Table:
         self.impls = _impl_order(r["impl"] for r in self.rows)
         self.baselines = baseline_names(self.rows)
         first = self.rows[0]
-        self.meta = {k: first.get(k) for k in ("gpu", "driver", "cuda_version", "torch_version",
-                                                "triton_version", "tsdecode_version", "date",
-                                                "num_sms", "copy_bw_gbs")}
+        self.meta = {k: first.get(k) for k in ("device", "sm_count", "compute_capability", "driver", "cuda_version",
+                                                "torch_version", "triton_version", "tsdecode_version", "date",
+                                                "copy_bw_gbs")}
+        self.meta["description"] = describe_device(self.meta)
         self.interpreter = any(r.get("timing_method") == INTERPRETER for r in self.rows)
 
     def runtime(self, shape: str) -> dict | None:
@@ -561,10 +558,9 @@ def _color(impl: str, i: int) -> str:
 
 def _meta_html(t: Table, extra: Sequence[tuple[str, str]] = ()) -> str:
     m = t.meta
-    items = [("GPU", m["gpu"]), ("driver", m["driver"]), ("CUDA (torch build)", m["cuda_version"]),
+    items = [("device", m["description"]), ("driver", m["driver"]), ("CUDA (torch build)", m["cuda_version"]),
              ("torch", m["torch_version"]), ("triton", m["triton_version"]),
              ("tsdecode", m["tsdecode_version"]), ("date (UTC)", m["date"]),
-             ("SMs", m["num_sms"]),
              ("copy bandwidth", f"{H.fmt_num(m['copy_bw_gbs'])} GB/s (device-to-device, read + write)"),
              ("timing", ", ".join(sorted({r.get('timing_method') or '' for r in t.rows} - {''})) or "n/a"),
              *extra]
@@ -742,15 +738,14 @@ def _fmt_err(v):
     return "" if v is None else f"{v:.1e}"
 
 
-def _config_short(v) -> str:
+def _config_cell(v) -> str:
+    """A row's config JSON in KernelConfig's field names, as the tuner prints configs."""
     if not v:
         return ""
     try:
-        c = json.loads(v)
+        return config_text(KernelConfig.from_dict(json.loads(v)))
     except (TypeError, ValueError):
         return str(v)
-    return (f"n{c.get('block_n')} m{c.get('block_m')} splits{c.get('num_kv_splits')} "
-            f"w{c.get('num_warps')} s{c.get('num_stages')}")
 
 
 def _table_html(t: Table) -> str:
@@ -759,7 +754,7 @@ def _table_html(t: Table) -> str:
         row = dict(r)
         lo, hi = r.get("time_us_min"), r.get("time_us_max")
         row["range"] = f"{lo:.1f}–{hi:.1f}" if ok(r) and _finite(lo) and _finite(hi) else ""
-        row["cfg"] = _config_short(r.get("config"))
+        row["cfg"] = _config_cell(r.get("config"))
         row["why"] = r.get("reason") or r.get("impl_note") or r.get("config_note") or ""
         rows.append(row)
     cols = [
@@ -787,7 +782,7 @@ def _table_html(t: Table) -> str:
 
 def render_html(rows: Sequence[dict], title: str | None = None, source: str = "") -> str:
     t = Table(rows)
-    title = title or f"tsdecode decode attention: {t.meta['gpu']}"
+    title = title or f"tsdecode decode attention: {t.meta['device']}"
     parts = [f"<h1>{H.esc(title)}</h1>", _banner(t.interpreter),
              _meta_html(t, [("shapes", len(t.specs)), ("implementations", ", ".join(t.impls))]
                         + ([("source", source)] if source else [])),
@@ -828,11 +823,11 @@ def render_compare(rows_a: Sequence[dict], rows_b: Sequence[dict], label_a: str,
     common = [k for k in key_a if k in key_b]
     shapes = [key_a[k] for k in common]  # shape names are derived from the key, so equal in both
     impls = [RUNTIME] + [n for n in a.impls if n in b.impls]
-    title = title or f"tsdecode comparison: {a.meta['gpu']} ({label_a}) vs {b.meta['gpu']} ({label_b})"
+    title = title or f"tsdecode comparison: {a.meta['device']} ({label_a}) vs {b.meta['device']} ({label_b})"
 
     def meta_line(t: Table, label: str) -> str:
         m = t.meta
-        return (f"<div><b>{H.esc(label)}:</b> {H.esc(m['gpu'])}, {H.esc(m['date'])}, torch {H.esc(m['torch_version'])}, "
+        return (f"<div><b>{H.esc(label)}:</b> {H.esc(m['description'])}, {H.esc(m['date'])}, torch {H.esc(m['torch_version'])}, "
                 f"triton {H.esc(m['triton_version'])}, copy {H.fmt_num(m['copy_bw_gbs'])} GB/s</div>")
 
     parts = [f"<h1>{H.esc(title)}</h1>", _banner(a.interpreter or b.interpreter),
@@ -914,15 +909,14 @@ def run_report(args: argparse.Namespace) -> int:
     try:
         return _run_report(args)
     except (ValueError, RuntimeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"tsdecode-tune report: error: {e}", file=sys.stderr)
         return 2
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    day = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     if args.compare:
         path_a, path_b = args.compare
-        out = Path(args.out) if args.out else Path("reports") / "compare" / day
+        out = Path(args.out) if args.out else default_report_dir("compare")
         out.mkdir(parents=True, exist_ok=True)
         page = render_compare(read_csv(path_a), read_csv(path_b), *_labels(path_a, path_b), args.title)
         (out / "compare.html").write_text(page, encoding="utf-8")
@@ -951,8 +945,8 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _labels(path_a: str, path_b: str) -> tuple[str, str]:
-    """Short names for two CSVs: 'nvidia-h200/2026-11-29' for reports/<gpu>/<date>/results.csv,
-    the file names when those agree."""
+    """Short names for two CSVs: '<device>/<time>' for <...>/<device>/<time>/results.csv, the
+    file names when those agree."""
     def folder(p: Path) -> str:
         p = p.resolve()
         return f"{p.parent.parent.name}/{p.parent.name}".strip("/")
@@ -986,9 +980,13 @@ def _exit_code(rows: Sequence[dict]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tuner.report", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m tuner.report", description=__doc__.splitlines()[0])
     add_report_arguments(parser)
-    return run_report(parser.parse_args(argv))
+    try:
+        return run_report(parser.parse_args(argv))
+    except UsageError as e:
+        print(e, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

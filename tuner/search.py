@@ -1,208 +1,93 @@
-"""The search: one Optuna study per (problem class, bucket) over KernelConfig's fields.
+"""The search: one Optuna study per (problem class, bucket) over KernelConfig's fields, shared by
+every worker of a job.
 
 Shapes of a grid are grouped by ``tables.problem_class_key`` and ``tables.bucket_of``; each group
 ("bucket") gets a study whose objective is the group's time per call (geometric mean over its
-shapes; usually one shape). The space is KernelConfig's fields, narrowed to values that can be
-valid for the shape, with num_kv_splits from powers of two, 3 x powers of two, SM-wave multiples
-and the heuristic's own value. Small spaces (no larger than the trial budget) are searched with
-``GridSampler``, larger ones with a seeded ``TPESampler``; the heuristic default is always the
-first trial.
+shapes; usually one shape) over the space of ``tuner.space``. The study's first trials are
+queued when it is created (by whichever worker creates it; the others wait for the queue): the
+heuristic default, the table's previous winner, and either the whole space in a seeded order
+(spaces no larger than the trial budget: a grid) or ``seed_configs`` followed by a seeded
+``TPESampler`` (constant liar, so concurrent workers spread out).
 
-Each sampled config is fitted to the shape (``configs.fit_config``) and measured at most once per
-bucket: a trial whose fitted config was already measured (or is being measured) gets that result
-without a new measurement ("duplicate"). ``--trials`` counts measured configs; duplicates are
-recorded but do not count. At the end the best few are re-timed, interleaved with the default,
-and a winner is kept only if it beats the default by more than the measured noise.
+Each trial's config is fitted to the shape (``fit_config``) and measured at most once per
+bucket, whichever worker holds it: of the live trials with the same fitted config (queued,
+running or measured), the one with the smallest number is measured and the others are recorded
+as its duplicates once it has a result. Queued trials carry their fitted config from the start,
+so this is exact for grids; a TPE trial gets its fitted config a moment after it is sampled,
+and two workers sampling the same fitted config within that moment both measure it (the budget
+counts it once). ``--trials`` counts measured configs.
 
-Crash safety: every finished trial is appended (flushed, fsynced) to ``<gpu>_trials.jsonl``
-before it is told to the study storage; on resume, trials left RUNNING are completed from that
-log when it has them, else marked FAIL and re-sampled. A run holds an exclusive lock on
-``<study storage>.tuner.lock`` from start to end, so a RUNNING trial found at the start was left
-by a dead process, never by a live one. A study DB that is not a database any more is moved
-aside and the studies start afresh; buckets whose final record is in the log are not re-tuned.
+A bucket whose trials are all finished (the budget, the grid or its time share used up) is
+finalised by the worker that finds it so, on its own GPU of the job's model: the best few are
+re-timed, interleaved with the default, and a winner is kept only if it beats the default by
+more than the measured noise; the result is the study's "final" attribute, from which the table
+is written (``tuner.job.export``). Two workers finalising the same bucket at once both write a
+valid final; the last one stays.
+
+Crash safety: finished trials are logged (``tuner.study.ResultLog``) before they are told to the
+study; a RUNNING trial whose worker died (a dead process of this host, or an RDB heartbeat older
+than the grace period) is completed from the log when it has the result, else failed and queued
+again; a bucket whose final record is in the log is not tuned again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
+import random
 import statistics
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import optuna
 from optuna.distributions import CategoricalDistribution
+from optuna.storages import fail_stale_trials
+from optuna.storages._heartbeat import is_heartbeat_enabled
+from optuna.study import StudyDirection
 from optuna.trial import TrialState
 
-from tsdecode import tables
-from tsdecode.configs import (
-    BLOCK_M_CHOICES, BLOCK_N_CHOICES, DOT_MIN_BLOCK_M, MAX_NUM_KV_SPLITS, NUM_STAGES_CHOICES,
-    NUM_WARPS_CHOICES, SHARED_MEMORY_PER_SM, KernelConfig, ProblemShape, fit_config, heuristic_config,
-    next_power_of_2, num_kv_tiles,
-)
+from tsdecode import KernelConfig
+from tsdecode.config import tables
+from tsdecode.config.heuristic import heuristic_config
+from tsdecode.config.space import ProblemShape, fit_config
+from tsdecode.device import DeviceProperties
 
 from .grids import ShapeSpec
-from .runner import CandidateFailed, CompilePool, config_key
+from .measure import geomean
+from .runner import CandidateFailed, CompilePool
+from .space import (
+    SPACE_FIELDS, SpaceLimits, base_programs, build_space, config_text, seed_configs, space_size,
+)
+from .study import (
+    Heartbeat, OutputPaths, ResultLog, pop_waiting, queue_lock, retry_trial, stamp_alive, worker_stamp,
+    write_trials_csv,
+)
 
-try:  # POSIX; without it two runs on one study storage are not kept apart
-    import fcntl
-except ImportError:  # pragma: no cover - Windows
-    fcntl = None
+# Bump when the space construction or the measurement changes meaning: part of the study hash.
+SEARCH_VERSION = 2
+# How long a worker waits for the worker that created a study to queue its first trials before
+# queueing them itself (that worker died; duplicates of queued trials are never measured twice).
+SEED_WAIT_S = 60.0
+# How often a worker with nothing to do re-reads the studies it waits on.
+POLL_S = 0.5
 
 
 def retime_noise(times: Sequence[float]) -> float:
-    """Relative noise of repeated timings: the interquartile range over the median, at least 1%.
-
-    The full range would let one slow outlier round (seen on the H200: 1029-1035 us and one
-    1145 us) hide a challenger that was 6% faster in every round.
-    """
+    """Relative noise of repeated timings: the interquartile range over the median, at least 1%
+    (the full range would let one slow round hide a challenger faster in every other round)."""
     if len(times) < 2:
         return 0.01
     q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
     return max(0.01, (q3 - q1) / statistics.median(times))
 
 
-SPACE_FIELDS = ("block_n", "block_m", "num_kv_splits", "num_warps", "num_stages")
-# Bump when the space construction or the measurement changes meaning: part of the study hash.
-SEARCH_VERSION = 1
-# Programs (split-pass grid size) per SM above which more KV splits are not searched.
-MAX_PROGRAMS_PER_SM = 64
-# Programs per SM whose split counts are always candidates (whole waves).
-WAVES = (1, 2, 3, 4, 6, 8)
-
-
 # ---------------------------------------------------------------------------------------------
-# The space
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SpaceLimits:
-    """Restrictions of the config space from the command line (None: automatic)."""
-
-    block_n: tuple[int, ...] = BLOCK_N_CHOICES
-    block_m: tuple[int, ...] | None = None  # None: BLOCK_M_CHOICES, FMA ones up to FMA_MAX_ROWS
-    num_kv_splits: tuple[int, ...] | None = None
-    num_warps: tuple[int, ...] = NUM_WARPS_CHOICES
-    num_stages: tuple[int, ...] = NUM_STAGES_CHOICES
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if v is not None else None) for k, v in asdict(self).items()}
-
-
-# block_m below DOT_MIN_BLOCK_M (FMA reductions) is searched by default only for shapes with at
-# most this many query rows a KV head. In every committed H200 trial log (157 buckets, 37% of
-# their trials on FMA configs) an FMA config never won: within 1-9% of the best at 1 row (MHA),
-# 2.0-9.4x slower at 3 rows (llama3.2-3b, 12 buckets), at least 1.3x slower at 4 rows and more
-# (median 3.3x). --block-m still searches them anywhere.
-FMA_MAX_ROWS = 2
-
-
-def split_choices(shape: ProblemShape, num_sms: int, block_n_choices: Sequence[int],
-                  block_m_choices: Sequence[int]) -> list[int]:
-    """Candidate num_kv_splits for a shape: 1, powers of two and 3 x powers of two, and the split
-    counts that fill whole waves of 1..8 programs per SM, up to the K/V tile count (at the
-    smallest block_n) and MAX_PROGRAMS_PER_SM programs per SM."""
-    tiles = num_kv_tiles(shape.max_kv_len, min(block_n_choices))
-    rows = shape.rows_per_kv_head
-    min_m_blocks = min(-(-rows // bm) for bm in block_m_choices)
-    base = shape.batch_size * shape.num_kv_heads * min_m_blocks  # programs at one split
-    cap = max(1, min(MAX_NUM_KV_SPLITS, tiles, (MAX_PROGRAMS_PER_SM * num_sms) // base))
-    values = {1}
-    p = 1
-    while p <= cap:
-        values.add(p)
-        if 3 * p <= cap:
-            values.add(3 * p)
-        p *= 2
-    for w in WAVES:
-        s = (w * num_sms) // base
-        if 1 <= s <= cap:
-            values.add(s)
-    return sorted(values)
-
-
-def build_space(shape: ProblemShape, num_sms: int, limits: SpaceLimits,
-                default: KernelConfig) -> dict[str, tuple[int, ...]]:
-    """The categorical choices of each KernelConfig field for this shape (always containing the
-    heuristic default's values, so the default is a point of the space)."""
-    rows = shape.rows_per_kv_head
-    # block_m above the padded row count is always fitted down: leave it out.
-    m_cap = max(DOT_MIN_BLOCK_M, next_power_of_2(rows))
-    if limits.block_m is None:
-        block_m = [m for m in BLOCK_M_CHOICES if m <= m_cap
-                   and (m >= DOT_MIN_BLOCK_M or rows <= FMA_MAX_ROWS)]
-    else:
-        block_m = [m for m in limits.block_m if m <= m_cap] or [min(limits.block_m)]
-    block_n = list(limits.block_n)
-    if limits.num_kv_splits is not None:
-        tiles = num_kv_tiles(shape.max_kv_len, min(block_n))
-        splits = sorted({min(s, tiles) for s in limits.num_kv_splits})
-    else:
-        splits = split_choices(shape, num_sms, block_n, block_m)
-    space = {
-        "block_n": block_n, "block_m": block_m, "num_kv_splits": splits,
-        "num_warps": list(limits.num_warps), "num_stages": list(limits.num_stages),
-    }
-    for name in SPACE_FIELDS:
-        value = getattr(default, name)
-        if value not in space[name]:
-            space[name].append(value)
-        space[name] = tuple(sorted(space[name]))
-    return space
-
-
-def space_size(space: dict[str, Sequence[int]]) -> int:
-    return math.prod(len(v) for v in space.values())
-
-
-def seed_configs(default: KernelConfig, space: dict[str, Sequence[int]],
-                 base_programs: int | None = None, num_sms: int | None = None) -> list[KernelConfig]:
-    """The first trials of a new study: the default, then the default with a few other split
-    counts (the knob that matters most for decode) from the space, then the "lean program"
-    family at 1x, 2x and 4x the default's splits: the smallest block_n, 1 warp, 3 stages (about
-    12 resident programs per H200 SM against 5 for block_n=64 at 4 warps). On the H200 that
-    family was the best config of 6 of 10 held-out ragged shapes and of two tuned buckets, and
-    TPE with 40-64 trials rarely reached it on its own (docs/perf-notes.md). Then the same
-    family with the deepest pipeline of the space (5 stages: two K/V tiles in flight) at 1x and
-    1/2x the default's splits (the best at fp8 caches and at B=1 with long K/V on the H200).
-    Last, given base_programs (programs at one split) and num_sms, both lean families at the
-    split counts for about 8 and 46 programs per SM, the heuristic's two calibrated targets
-    (16-bit and fp8 lean rules), whatever the default's own regime: at fp8 with B <= 32 the
-    default is a 64-token 4-warp config whose splits keep these seeds out of reach otherwise
-    (docs/perf-notes.md, "Ninth lease")."""
-    out = [default]
-    splits = space["num_kv_splits"]
-    s = default.num_kv_splits
-
-    def near(values, target):
-        return min(values, key=lambda v: abs(v - target))
-
-    candidates = [{"num_kv_splits": near(splits, c)} for c in (2 * s, max(1, s // 2), 4 * s)]
-    lean = {"block_n": min(space["block_n"]), "num_warps": near(space["num_warps"], 1),
-            "num_stages": near(space["num_stages"], 3)}
-    candidates += [{**lean, "num_kv_splits": near(splits, c)} for c in (s, 2 * s, 4 * s)]
-    deep = {**lean, "num_stages": max(space["num_stages"])}
-    candidates += [{**deep, "num_kv_splits": near(splits, c)} for c in (s, max(1, s // 2))]
-    if base_programs and num_sms:
-        for per_sm in (8, 46):
-            target = near(splits, max(1, round(per_sm * num_sms / base_programs)))
-            candidates += [{**lean, "num_kv_splits": target}, {**deep, "num_kv_splits": target}]
-    for change in candidates:
-        config = KernelConfig(**{**default.to_dict(), **change})
-        if config not in out:
-            out.append(config)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Buckets
+# Buckets and settings
 # ---------------------------------------------------------------------------------------------
 
 
@@ -228,19 +113,18 @@ class Bucket:
         names = ",".join(s.name for s in self.specs)
         return names if len(names) <= 60 else f"{self.specs[0].name} (+{len(self.specs) - 1})"
 
+    @property
+    def key(self) -> str:
+        """The bucket in job records and progress lines: ``<class key>|B<b>_L<l>``."""
+        return f"{self.class_key}|B{self.bucket[0]}_L{self.bucket[1]}"
+
 
 def group_buckets(specs: Iterable[ShapeSpec]) -> list[Bucket]:
     groups: dict[tuple[str, tuple[int, int]], list[ShapeSpec]] = {}
     for spec in specs:
-        shape = spec.to_problem_shape()
-        key = (tables.problem_class_key(shape), tables.bucket_of(spec.batch_size, spec.kv_len))
+        key = (tables.problem_class_key(spec.to_problem_shape()), tables.bucket_of(spec.batch_size, spec.kv_len))
         groups.setdefault(key, []).append(spec)
     return [Bucket(k, b, tuple(v)) for (k, b), v in groups.items()]
-
-
-# ---------------------------------------------------------------------------------------------
-# Settings, outputs, progress
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -264,221 +148,38 @@ class TuneSettings:
                 "replay_ms": self.replay_ms, "check_requests": self.check_requests}
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["limits"] = self.limits.to_dict()
-        return d
-
-
-@dataclass(frozen=True)
-class OutputPaths:
-    out_dir: Path
-    table: Path
-    jsonl: Path
-    csv: Path
-    storage: str
+        return {**asdict(self), "limits": self.limits.to_dict()}
 
     @classmethod
-    def for_device(cls, out_dir: Path, device_name: str, storage: str | None) -> "OutputPaths":
-        table = out_dir / tables.table_filename(device_name)
-        stem = table.stem
-        if storage is None:
-            storage = f"sqlite:///{(out_dir / f'{stem}_study.db').resolve()}"
-        return cls(out_dir, table, out_dir / f"{stem}_trials.jsonl", out_dir / f"{stem}_trials.csv",
-                   storage)
-
-    @property
-    def storage_file(self) -> Path | None:
-        """The file of a SQLite or journal storage (None: a database server)."""
-        if self.storage.startswith("sqlite:///"):
-            return Path(self.storage[len("sqlite:///"):])
-        if _is_journal(self.storage):
-            return Path(self.storage)
-        return None
-
-    @property
-    def lock(self) -> Path:
-        """The run lock of the study storage: ``<file>.tuner.lock`` (not ``.lock``, which an
-        Optuna journal file uses itself); for a database server, one per --out and GPU."""
-        base = self.storage_file or self.out_dir / f"{self.table.stem}_study"
-        return Path(f"{os.path.abspath(base)}.tuner.lock")
-
-
-class StudyBusy(RuntimeError):
-    """Another tuner process holds the run lock of the same study storage."""
-
-
-def lock_study(paths: OutputPaths):
-    """Take the run lock of ``paths``' study storage (an exclusive, non-blocking ``flock``);
-    returns the open lock file, whose closing (or the process's end, a kill included) releases
-    it. The file is never deleted: a leftover one blocks nothing. Raises StudyBusy."""
-    path = paths.lock
-    path.parent.mkdir(parents=True, exist_ok=True)
-    f = open(path, "a+b")
-    if fcntl is None:  # pragma: no cover - no flock: runs are not serialised
-        return f
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        what = paths.storage_file or paths.storage
-        raise StudyBusy(f"another tuner is using {what}; wait for it to finish or pass a "
-                        "different --out") from None
-    return f
-
-
-def _sqlite_problem(path: Path) -> str | None:
-    """Why the SQLite file at ``path`` is not a database (None: it is one, or it is missing,
-    empty or busy, which are no evidence of damage)."""
-    import sqlite3
-
-    try:
-        if path.stat().st_size == 0:
-            return None
-        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=60)
-        try:
-            row = con.execute("PRAGMA quick_check").fetchone()
-        finally:
-            con.close()
-    except (OSError, sqlite3.OperationalError):  # missing, unreadable, locked
-        return None
-    except sqlite3.DatabaseError as e:  # "file is not a database", "disk image is malformed"
-        return str(e)
-    return None if row and row[0] == "ok" else f"integrity check: {row[0] if row else 'no answer'}"
-
-
-def _move_aside_storage(path: Path) -> Path:
-    """Move a damaged SQLite file aside with its journal files (a journal left beside a new,
-    empty DB would be rolled back into it)."""
-    moved = tables._move_aside(path, "corrupt")
-    for suffix in ("-journal", "-wal", "-shm"):
-        side = Path(f"{path}{suffix}")
-        if side.exists():
-            os.replace(side, f"{moved}{suffix}")
-    return moved
-
-
-def _is_journal(url: str) -> bool:
-    return url.endswith((".log", ".journal")) and "://" not in url
-
-
-def open_storage(url: str):
-    """An Optuna storage: an RDB URL (sqlite:///file.db, the default), or a path ending in .log
-    / .journal for a journal file (no SQLAlchemy needed)."""
-    if _is_journal(url):
-        from optuna.storages import JournalStorage
-        from optuna.storages.journal import JournalFileBackend
-
-        return JournalStorage(JournalFileBackend(url))
-    if url.startswith("sqlite:///"):
-        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}}
-                                          if url.startswith("sqlite") else None)
-    except ImportError as e:  # no SQLAlchemy: fall back to a journal file beside the DB
-        if url.startswith("sqlite:///"):
-            path = url[len("sqlite:///"):].rsplit(".", 1)[0] + ".journal"
-            print(f"note: {e}; using the Optuna journal file {path} instead of SQLite",
-                  file=sys.stderr)
-            return open_storage(path)
-        raise
-
-
-class ResultLog:
-    """Append-only JSON-lines log of every finished trial, re-timing and bucket result."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(path, "a", encoding="utf-8")
-
-    def write(self, record: dict[str, Any]) -> None:
-        record = {"t": round(time.time(), 3), **record}
-        self._f.write(json.dumps(record, default=_json_default) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-
-    def close(self) -> None:
-        self._f.close()
-
-    @staticmethod
-    def read(path: Path) -> list[dict[str, Any]]:
-        """All complete records (a line cut short by a crash, or otherwise damaged, is
-        skipped)."""
-        records = []
-        try:
-            with open(path, "rb") as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                    except (ValueError, RecursionError):  # not JSON, not UTF-8
-                        continue
-                    if isinstance(record, dict):
-                        records.append(record)
-        except FileNotFoundError:
-            pass
-        return records
-
-
-def _json_default(o: Any) -> Any:
-    if isinstance(o, KernelConfig):
-        return o.to_dict()
-    if isinstance(o, tuple):
-        return list(o)
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+    def from_dict(cls, data: dict[str, Any]) -> "TuneSettings":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        limits = {k: (tuple(v) if v is not None else None) for k, v in (data.get("limits") or {}).items()}
+        values["limits"] = SpaceLimits(**limits)
+        return cls(**values)
 
 
 class Progress:
-    """A tqdm bar with ETA on a terminal, else a line every ``every_s`` seconds."""
+    """A tqdm bar on a terminal, else a line every ``every_s`` seconds."""
 
     def __init__(self, total: int, desc: str, *, enabled: bool = True, initial: int = 0,
-                 deadline: float | None = None, every_s: float = 10.0, stream=None) -> None:
-        self.total, self.desc, self.n = total, desc, initial
-        self.deadline, self.every_s = deadline, every_s
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.t0 = time.monotonic()
-        self.start_n = initial
-        self.last = 0.0
-        self.postfix = ""
-        self.bar = None
-        if enabled and getattr(self.stream, "isatty", lambda: False)():
-            try:
-                from tqdm import tqdm
+                 every_s: float = 10.0) -> None:
+        self.total, self.desc, self.n, self.enabled, self.every_s = total, desc, initial, enabled, every_s
+        self.stream = sys.stderr
+        self.last, self.bar = 0.0, None
+        if enabled and self.stream.isatty():
+            from tqdm import tqdm  # an optuna dependency
 
-                self.bar = tqdm(total=total, initial=initial, desc=desc, file=self.stream,
-                                dynamic_ncols=True, leave=True)
-            except ImportError:
-                self.bar = None
+            self.bar = tqdm(total=total, initial=initial, desc=desc, file=self.stream, dynamic_ncols=True)
 
-    def eta_s(self) -> float | None:
-        done = self.n - self.start_n
-        if done <= 0:
-            return None
-        rate = (time.monotonic() - self.t0) / done
-        eta = rate * max(0, self.total - self.n)
-        if self.deadline is not None:
-            eta = min(eta, max(0.0, self.deadline - time.monotonic()))
-        return eta
-
-    def update(self, n: int = 1, postfix: str = "") -> None:
-        self.n += n
-        self.postfix = postfix or self.postfix
-        if not self.enabled:
-            return
+    def update(self, postfix: str) -> None:
+        self.n += 1
         if self.bar is not None:
-            self.bar.update(n)
-            if postfix:
-                self.bar.set_postfix_str(postfix, refresh=False)
-            return
-        now = time.monotonic()
-        if now - self.last >= self.every_s or self.n >= self.total:
-            self.last = now
-            eta = self.eta_s()
-            eta_s = f", eta {eta:.0f} s" if eta is not None else ""
-            print(f"  {self.desc}: {self.n}/{self.total} measured{eta_s}"
-                  + (f"; {self.postfix}" if self.postfix else ""), file=self.stream, flush=True)
+            self.bar.update(1)
+            self.bar.set_postfix_str(postfix, refresh=False)
+        elif self.enabled and (time.monotonic() - self.last >= self.every_s or self.n >= self.total):
+            self.last = time.monotonic()
+            print(f"  {self.desc}: {self.n}/{self.total} measured; {postfix}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -514,97 +215,116 @@ class BucketResult:
     fraction_of_copy: float | None = None
     default: KernelConfig | None = None
     default_time_us: float | None = None
+    default_bandwidth_gbs: float | None = None
     kept_default: bool = False
     noise: float | None = None
     measured: int = 0
     pruned: int = 0
     note: str = ""
     resumed: bool = False
+    pending: bool = False  # other workers still hold trials of the bucket
 
     @property
     def speedup(self) -> float | None:
-        if self.time_us and self.default_time_us:
-            return self.default_time_us / self.time_us
-        return None
+        return self.default_time_us / self.time_us if self.time_us and self.default_time_us else None
 
-
-def _short(config: KernelConfig | None) -> str:
-    if config is None:
-        return "-"
-    return (f"n{config.block_n} m{config.block_m} s{config.num_kv_splits} "
-            f"w{config.num_warps} st{config.num_stages}")
+    @classmethod
+    def from_final(cls, bucket: Bucket, name: str, final: dict[str, Any], resumed: bool = False) -> "BucketResult":
+        """The result a study's "final" attribute records."""
+        if not final.get("ok"):
+            return cls(bucket, name, False, measured=final.get("measured", 0), pruned=final.get("pruned", 0),
+                       note=final.get("note", ""), resumed=resumed)
+        return cls(bucket, name, True, KernelConfig(**final["winner"]), final["time_us"], final["bandwidth_gbs"],
+                   final["fraction_of_copy"], KernelConfig(**final["default"]), final["default_time_us"],
+                   final["default_bandwidth_gbs"], final["kept_default"], final["noise"], final["measured"],
+                   final["pruned"], final.get("note", ""), resumed=resumed)
 
 
 def summary_table(results: Sequence[BucketResult]) -> str:
-    """Best config per bucket, speedup over the heuristic default, fraction of copy bandwidth."""
-    head = ("bucket (B,L)", "shape(s)", "best config", "us", "default us", "speedup", "% copy",
-            "trials")
+    """Best config per bucket, its speedup over the heuristic default, fraction of copy bandwidth."""
+    head = ("bucket (B,L)", "shape(s)", "best config", "us", "default us", "speedup", "% copy", "trials")
     rows = []
     for r in results:
-        frac = f"{100 * r.fraction_of_copy:.0f}%" if r.fraction_of_copy is not None else "-"
+        trials = f"{r.measured} ({r.pruned} pruned)"
         if r.ok:
-            best = _short(r.winner) + (" (default)" if r.kept_default else "")
+            frac = f"{100 * r.fraction_of_copy:.0f}%" if r.fraction_of_copy is not None else "-"
+            best = config_text(r.winner) + (" (default)" if r.kept_default else "")
             rows.append((str(r.bucket.bucket), r.bucket.label, best, f"{r.time_us:.2f}",
-                         f"{r.default_time_us:.2f}", f"{r.speedup:.2f}x", frac,
-                         f"{r.measured} ({r.pruned} pruned)"))
+                         f"{r.default_time_us:.2f}", f"{r.speedup:.2f}x", frac, trials))
         else:
-            rows.append((str(r.bucket.bucket), r.bucket.label, f"FAILED: {r.note}"[:60], "-", "-",
-                         "-", "-", f"{r.measured} ({r.pruned} pruned)"))
+            what = "not finished" if r.pending else f"FAILED: {r.note}"
+            rows.append((str(r.bucket.bucket), r.bucket.label, what[:60], "-", "-", "-", "-", trials))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*row) for row in rows]
-    return "\n".join(lines)
-
-
-def write_trials_csv(jsonl: Path, csv: Path) -> int:
-    """The raw results of the log as one long CSV (pandas): a row per trial and per re-timing
-    round. Returns the number of rows."""
-    import pandas as pd
-
-    rows = []
-    for rec in ResultLog.read(jsonl):
-        kind = rec.get("kind")
-        base = {"kind": kind, "study": rec.get("study"), "class_key": rec.get("class_key"),
-                "bucket_batch_size": (rec.get("bucket") or [None, None])[0],
-                "bucket_kv_len": (rec.get("bucket") or [None, None])[1]}
-        if kind == "trial":
-            cfg = rec.get("config") or {}
-            rows.append({
-                **base, "trial": rec.get("trial"), "state": rec.get("state"),
-                **{k: cfg.get(k) for k in SPACE_FIELDS},
-                "time_us": rec.get("time_us"), "bandwidth_gbs": rec.get("bandwidth_gbs"),
-                "fraction_of_copy": rec.get("fraction_of_copy"), "rel_err": rec.get("rel_err"),
-                "measured": rec.get("measured"), "duplicate_of": rec.get("duplicate_of"),
-                "prune_reason": rec.get("prune_reason"), "compile_s": rec.get("compile_s"),
-                "plan_s": rec.get("plan_s"), "measure_s": rec.get("measure_s"),
-                "is_default": rec.get("is_default"),
-                "specs": ";".join(rec.get("specs") or []), "sampled": json.dumps(rec.get("params")),
-            })
-        elif kind == "retime":
-            cfg = rec.get("config") or {}
-            for i, t in enumerate(rec.get("times_us") or []):
-                rows.append({**base, "state": "RETIME", "round": i,
-                             **{k: cfg.get(k) for k in SPACE_FIELDS}, "time_us": t,
-                             "is_default": rec.get("is_default"),
-                             "specs": ";".join(rec.get("specs") or [])})
-    frame = pd.DataFrame(rows)
-    for col in ("trial", "round", "bucket_batch_size", "bucket_kv_len"):
-        if col in frame:
-            frame[col] = frame[col].astype("Int64")
-    tmp = csv.with_name(f".{csv.name}.tmp")
-    frame.to_csv(tmp, index=False)
-    os.replace(tmp, csv)
-    return len(frame)
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
 
 
 # ---------------------------------------------------------------------------------------------
-# The tuner
+# Study names, seeds and the tables' previous results
+# ---------------------------------------------------------------------------------------------
+
+
+def study_name(bucket: Bucket, space: dict[str, Sequence[int]], default: KernelConfig, device_name: str,
+               kernel_hash: str, settings: TuneSettings) -> str:
+    """class key | bucket | a hash of what the study's results depend on: the kernel, the GPU
+    model, the shapes, the space, the measurement settings and the heuristic default the winner
+    is timed against (a heuristic change starts new studies)."""
+    ident = {
+        "version": SEARCH_VERSION, "kernel": kernel_hash, "device": device_name,
+        "specs": [s.to_dict() for s in bucket.specs], "space": {k: list(v) for k, v in space.items()},
+        "default": default.to_dict(), **settings.study_fields(),
+    }
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{bucket.key}|{digest}"
+
+
+def _study_seed(seed: int, name: str) -> int:
+    return int(hashlib.sha256(f"{seed}|{name}".encode()).hexdigest()[:8], 16)
+
+
+def bucket_space(bucket: Bucket, device: DeviceProperties, limits: SpaceLimits):
+    """(heuristic default, search space) of ``bucket`` on ``device``."""
+    default = heuristic_config(bucket.shape, device)
+    return default, build_space(bucket.shape, device.sm_count, limits, default)
+
+
+def stale_buckets(table_path: Path, buckets: Sequence[Bucket], device: DeviceProperties) -> list[Bucket]:
+    """The buckets whose entry the table lacks, or holds timed against another default than the
+    heuristic gives today (a tsdecode upgrade that changed the heuristic), or with another kernel
+    or triton major version; re-tuning just these keeps "tuned never slower than the heuristic"
+    true for the whole table."""
+    table = tables.load_table(table_path) if table_path.exists() else None
+    if table is None or table.stale:
+        return list(buckets)
+    return [b for b in buckets if (entry := table.entries.get(b.class_key, {}).get(b.bucket)) is None
+            or entry.default_config != heuristic_config(b.shape, device)]
+
+
+def table_winners(table_path: Path, buckets: Sequence[Bucket], device: DeviceProperties,
+                  limits: SpaceLimits) -> dict[str, dict[str, int]]:
+    """Per bucket key, the winner the table already holds (when it lies in today's space): a new
+    study measures it right after the default, so a re-tune cannot lose what the last one found."""
+    table = tables.load_table(table_path) if table_path.exists() else None
+    out = {}
+    for b in buckets:
+        entry = table.entries.get(b.class_key, {}).get(b.bucket) if table else None
+        if entry is None:
+            continue
+        _, space = bucket_space(b, device, limits)
+        if all(getattr(entry.kernel_config, k) in v for k, v in space.items()):
+            out[b.key] = entry.kernel_config.to_dict()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The tuner (one worker)
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass
 class _Pending:
+    """A trial this worker measures (its config compiling in the pool, or ready)."""
+
     trial: optuna.Trial
     params: dict[str, int]
     config: KernelConfig
@@ -614,354 +334,615 @@ class _Pending:
     followers: list[tuple[optuna.Trial, dict[str, int], tuple[str, ...]]] = field(default_factory=list)
 
 
-class _NoStopGridSampler(optuna.samplers.GridSampler):
-    """GridSampler that does not call ``study.stop()`` (which only works inside optimize());
-    the tuner checks exhaustion itself."""
+@dataclass
+class _Held:
+    """A trial of this worker whose fitted config another trial (of any worker) measures."""
 
-    def after_trial(self, study, trial, state, values) -> None:  # noqa: D102
-        return None
+    trial: optuna.Trial
+    params: dict[str, int]
+    config: KernelConfig
+    key: str
+    adjustments: tuple[str, ...]
 
 
-# What a bucket's "final" study attribute (and log record) holds; _resume_final reads it.
+# What a bucket's "final" study attribute (and log record) holds; _final_from_log reads it.
 FINAL_FIELDS = frozenset((
     "ok", "winner", "time_us", "bandwidth_gbs", "fraction_of_copy", "default", "default_time_us",
     "default_bandwidth_gbs", "kept_default", "noise", "trials_budget", "measured", "pruned", "note",
 ))
+RESULT_FIELDS = ("bandwidth_gbs", "fraction_of_copy", "rel_err", "per_spec", "compile_s", "plan_s", "measure_s")
 
 
-def _study_seed(seed: int, name: str) -> int:
-    return int(hashlib.sha256(f"{seed}|{name}".encode()).hexdigest()[:8], 16)
+def _leader(trials: Sequence[optuna.trial.FrozenTrial], key: str) -> optuna.trial.FrozenTrial | None:
+    """The trial that measures fitted config ``key``: the smallest-numbered trial with that key
+    that is queued, running or measured (failed trials and recorded duplicates do not count)."""
+    best = None
+    for t in trials:
+        if t.user_attrs.get("key") != key or t.state == TrialState.FAIL:
+            continue
+        if t.state.is_finished() and not t.user_attrs.get("measured"):
+            continue
+        if best is None or t.number < best.number:
+            best = t
+    return best
+
+
+def _outcome(t: optuna.trial.FrozenTrial) -> Outcome:
+    ua = t.user_attrs
+    return Outcome(ua["key"], KernelConfig(**ua["config"]), t.state.name, t.value, ua.get("prune_reason"), t.number,
+                   ua.get("result") or {})
+
+
+class _Beats:
+    """Optuna heartbeats of the trials this worker holds (RDB storages), from a thread: the
+    measuring and compiling happen in other processes, so a beat is never late for a long
+    compile."""
+
+    def __init__(self, storage, interval: float) -> None:
+        self.storage, self.interval = storage, interval
+        self.ids: set[int] = set()
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name="tsdecode-tune-heartbeat", daemon=True)
+        self.thread.start()
+
+    def add(self, trial_id: int) -> None:
+        with self.lock:
+            self.ids.add(trial_id)
+        self._beat(trial_id)
+
+    def discard(self, trial_id: int) -> None:
+        with self.lock:
+            self.ids.discard(trial_id)
+
+    def _beat(self, trial_id: int) -> None:
+        try:
+            self.storage.record_heartbeat(trial_id)
+        except Exception:  # a storage hiccup: the next beat retries; the grace period covers it
+            pass
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.interval):
+            with self.lock:
+                ids = list(self.ids)
+            for trial_id in ids:
+                self._beat(trial_id)
+
+    def close(self) -> None:
+        self.stop.set()
+
+
+class _NoBeats:
+    def add(self, trial_id: int) -> None:
+        pass
+
+    def discard(self, trial_id: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _set_attrs(study: optuna.Study, trial_id: int, rec: dict[str, Any]) -> None:
+    """A trial's user attributes from its results-log record."""
+    attrs = {"key": rec["key"], "config": rec["config"], "measured": rec["measured"],
+             "duplicate_of": rec.get("duplicate_of"), "adjustments": rec.get("adjustments") or [],
+             "result": {k: rec.get(k) for k in RESULT_FIELDS}}
+    if rec.get("prune_reason"):
+        attrs["prune_reason"] = rec["prune_reason"]
+    for k, v in attrs.items():
+        study._storage.set_trial_user_attr(trial_id, k, v)
+
+
+def recover_dead(study: optuna.Study, name: str, *, storage, storage_url: str, log_path: Path,
+                 grace: float | None, echo: Callable[[str], None]) -> list[int]:
+    """Finish the RUNNING trials of dead workers: Optuna's heartbeat check (RDB storages: a
+    trial without a beat for the grace period is failed, and the storage's callback queues it
+    again), then this host's dead processes (any storage): completed from the results log at
+    ``log_path`` when it holds their result (measured, but killed before telling the study),
+    else failed and queued again (``study.retry_trial``). Returns the failed trials' numbers."""
+    failed = []
+    with queue_lock(storage_url):
+        if is_heartbeat_enabled(storage):
+            fail_stale_trials(study)
+        dead = []
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            stamp = t.user_attrs.get("worker")
+            if stamp is not None:
+                if stamp_alive(stamp) is False:
+                    dead.append(t)
+            elif grace is not None and t.datetime_start is not None and \
+                    (time.time() - t.datetime_start.timestamp()) > grace:
+                dead.append(t)  # never stamped: its worker died right after taking it
+        if not dead:
+            return failed
+        records = ResultLog.read(log_path)
+        # Trial numbers restart with a new storage: only records written since it count.
+        start = max((i for i, r in enumerate(records) if r.get("kind") == "storage_reset"), default=-1) + 1
+        logged = {rec["trial"]: rec for rec in records[start:]
+                  if rec.get("kind") == "trial" and rec.get("study") == name
+                  and all(k in rec for k in ("trial", "state", "time_us", "key", "config", "measured"))}
+        for t in dead:
+            rec = logged.get(t.number)
+            try:
+                if rec is not None:
+                    _set_attrs(study, t._trial_id, rec)
+                    if rec["state"] == "COMPLETE":
+                        study.tell(t.number, rec["time_us"], skip_if_finished=True)
+                    else:
+                        study.tell(t.number, state=TrialState.PRUNED, skip_if_finished=True)
+                    continue
+                study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
+                if not study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
+                    continue
+            except optuna.exceptions.UpdateFinishedTrialError:
+                continue  # another worker got there first
+            failed.append(t.number)
+            again = retry_trial(study, t, "its worker died")
+            stamp = t.user_attrs.get("worker") or {}
+            echo(f"  trial {t.number} of {name.rsplit('|', 1)[0]}: {stamp.get('label') or 'a worker'} (pid "
+                 f"{stamp.get('pid', '?')}) died while holding it; "
+                 + (f"queued again as trial {again}" if again is not None else "not queued again"))
+    return failed
 
 
 class Tuner:
-    """Runs the studies of a grid with a measuring client and writes the table."""
+    """One worker of a job: runs the studies of the job's buckets with a measuring client,
+    sharing them with the job's other workers (any number, on this and other hosts).
 
-    def __init__(self, settings: TuneSettings, client, *, device_info, copy_bandwidth_gbs: float | None,
-                 paths: OutputPaths, pool: CompilePool | None = None, progress: bool = True,
-                 echo: Callable[[str], None] | None = None, run_info: dict[str, Any] | None = None,
-                 shared_memory_per_sm: int = SHARED_MEMORY_PER_SM) -> None:
+    storage: the study storage (``study.open_storage``); storage_url names it (for the SQLite
+    queue lock). label: this worker in progress lines and trial records ("cuda:3"); it also
+    varies the TPE seed, so workers spread out. previous: per bucket key, the table's winner to
+    measure second in a new study. on_study(bucket, name): told each study name (the job records
+    them for ``export``). write_csv: rewrite the trials CSV after each bucket.
+    """
+
+    def __init__(self, settings: TuneSettings, client, *, device: DeviceProperties,
+                 copy_bandwidth_gbs: float | None, paths: OutputPaths, storage, storage_url: str | None = None,
+                 pool: CompilePool | None = None, progress: bool = True, echo: Callable[[str], None] | None = None,
+                 label: str = "", heartbeat: Heartbeat | None = None,
+                 previous: dict[str, dict[str, int]] | None = None,
+                 on_study: Callable[[Bucket, str], None] | None = None, write_csv: bool = True) -> None:
         self.s = settings
         self.client = client
         self.pool = pool
-        self.device_info = device_info
-        # the measured GPU's, so that each bucket's default is the heuristic the runtime uses there
-        self.shared_memory_per_sm = shared_memory_per_sm
+        self.device = device  # the measured device: each bucket's default is the heuristic's there
         self.copy_bw = copy_bandwidth_gbs
         self.paths = paths
+        self.storage = storage
+        self.storage_url = storage_url or paths.storage
         self.progress = progress
         self.echo = echo or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.run_info = run_info or {}
-        self._lock = lock_study(paths)  # first: nothing below may touch another run's study
-        try:
-            moved = self._check_storage()
-            self.storage = open_storage(paths.storage)
-            self.log = ResultLog(paths.jsonl)
-        except BaseException:
-            self._lock.close()
-            raise
-        if moved is not None:  # trial numbers start again: older trial records are not theirs
-            self.log.write({"kind": "storage_reset", "storage": paths.storage, "moved_to": moved})
-        self.jsonl_records: list[dict[str, Any]] | None = None
+        self.label = label
+        self.stamp = worker_stamp(label)
+        self.heartbeat = heartbeat
+        self.previous = previous or {}
+        self.on_study = on_study
+        self.write_csv = write_csv
+        self.kernel_hash = tables.kernel_source_hash()
+        self.log = ResultLog(paths.jsonl)
+        beats = is_heartbeat_enabled(storage)  # RDB storages opened with a heartbeat
+        self.beats = _Beats(storage, heartbeat.interval) if beats and heartbeat is not None else _NoBeats()
         self.plan_s = 0.0  # seconds the measuring worker spent planning (loading or compiling)
-        self.measured_now = 0  # configs measured by this run
+        self.measured_now = 0  # configs measured by this worker
+        self._prepared: Bucket | None = None
+        self._reported: set[str] = set()  # study names told to on_study
 
     def close(self) -> None:
-        """Close the log and release the run lock."""
+        """Stop the heartbeats and close the log."""
+        self.beats.close()
         self.log.close()
-        self._lock.close()
 
-    def _check_storage(self) -> Path | None:
-        """Move a SQLite study DB that is not a database aside (one warning); returns where to.
-        The table and the log keep what was tuned: finished buckets are not tuned again."""
-        db = self.paths.storage_file
-        if db is None or _is_journal(self.paths.storage):
-            return None
-        problem = _sqlite_problem(db)
-        if problem is None:
-            return None
-        moved = _move_aside_storage(db)
-        self.echo(f"warning: study storage {db} is unusable ({problem}); moved aside to {moved} "
-                  "and started afresh (tuned entries are kept in the table, finished buckets "
-                  "are not tuned again)")
-        return moved
+    def default_config(self, bucket: Bucket) -> KernelConfig:
+        return heuristic_config(bucket.shape, self.device)
 
-    # -- names --------------------------------------------------------------------------------
-
-    def study_name(self, bucket: Bucket, space: dict[str, Sequence[int]],
-                   default: KernelConfig) -> str:
-        """class key | bucket | a hash of what the study's results depend on: the kernel, the
-        device, the shapes, the space, the measurement settings and the heuristic default the
-        winner is timed against (a heuristic change starts new studies)."""
-        ident = {
-            "version": SEARCH_VERSION, "kernel": tables.kernel_source_hash(),
-            "device": self.device_info.name, "specs": [s.to_dict() for s in bucket.specs],
-            "space": {k: list(v) for k, v in space.items()}, "default": default.to_dict(),
-            **self.s.study_fields(),
-        }
-        digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
-        b, n = bucket.bucket
-        return f"{bucket.class_key}|B{b}_L{n}|{digest}"
-
-    def tuner_settings(self) -> dict[str, Any]:
-        return {"tool": "tsdecode-tune", **self.s.to_dict(), **self.run_info,
-                "copy_bandwidth_gbs": self.copy_bw}
+    def study_name(self, bucket: Bucket, space: dict[str, Sequence[int]], default: KernelConfig) -> str:
+        return study_name(bucket, space, default, self.device.name, self.kernel_hash, self.s)
 
     # -- the run ------------------------------------------------------------------------------
 
-    def run(self, buckets: Sequence[Bucket]) -> list[BucketResult]:
-        results = []
-        start = time.monotonic()
+    def run(self, buckets: Sequence[Bucket], started: float | None = None) -> list[BucketResult]:
+        """Tune ``buckets`` in order, then wait for (and help with) those whose last trials other
+        workers hold, until every bucket is final. ``started``: the job's start (epoch seconds),
+        from which --time-budget counts."""
+        start = time.time() if started is None else started
+        end = None if self.s.time_budget is None else start + self.s.time_budget
+        results: dict[int, BucketResult] = {}
         for i, bucket in enumerate(buckets):
             deadline = None
-            if self.s.time_budget is not None:
-                remaining = self.s.time_budget - (time.monotonic() - start)
-                deadline = time.monotonic() + max(0.0, remaining) / (len(buckets) - i)
-            self.echo(f"[{i + 1}/{len(buckets)}] {bucket.class_key} bucket {bucket.bucket}: "
-                      f"{bucket.label}")
-            result = self.tune(bucket, deadline)
-            results.append(result)
-            try:
-                write_trials_csv(self.paths.jsonl, self.paths.csv)
-            except Exception as e:  # the jsonl stays the record; the CSV is a convenience
-                self.echo(f"  warning: could not write {self.paths.csv}: {e}")
-        return results
+            if end is not None:
+                deadline = time.time() + max(0.0, end - time.time()) / (len(buckets) - i)
+            self.echo(f"[{i + 1}/{len(buckets)}] {bucket.class_key} bucket {bucket.bucket}: {bucket.label}")
+            results[i] = self.tune(bucket, deadline)
+            self._csv()
+        waiting = [i for i, r in results.items() if r.pending]
+        if waiting:
+            self.echo(f"waiting for {len(waiting)} bucket(s) whose last trials other workers hold")
+        while waiting:
+            time.sleep(POLL_S)
+            for i in list(waiting):
+                r = self.tune(buckets[i], end, quiet=True)
+                if not r.pending:
+                    results[i] = r
+                    waiting.remove(i)
+                    self._csv()
+        return [results[i] for i in range(len(buckets))]
 
-    def _recover(self, study: optuna.Study, name: str) -> None:
-        """Finish trials a crashed run left RUNNING: from the results log if it has them (the
-        measurement finished), else FAIL (they are sampled again)."""
-        running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-        if not running:
+    def _csv(self) -> None:
+        if not self.write_csv:
             return
-        records = self._log_records()
-        # Trial numbers restart with a new storage: only records written since it count.
-        start = max((i for i, r in enumerate(records) if r.get("kind") == "storage_reset"),
-                    default=-1) + 1
-        logged = {rec["trial"]: rec for rec in records[start:]
-                  if rec.get("kind") == "trial" and rec.get("study") == name
-                  and all(k in rec for k in ("trial", "state", "time_us", "key", "config",
-                                              "measured"))}
-        for t in running:
-            rec = logged.get(t.number)
-            if rec is None:
-                study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
-                study.tell(t.number, state=TrialState.FAIL, skip_if_finished=True)
-                continue
-            self._set_attrs(study, t._trial_id, rec)
-            if rec["state"] == "COMPLETE":
-                study.tell(t.number, rec["time_us"], skip_if_finished=True)
-            else:
-                study.tell(t.number, state=TrialState.PRUNED, skip_if_finished=True)
+        try:
+            write_trials_csv(self.paths.jsonl, self.paths.csv)
+        except Exception as e:  # the jsonl stays the record; the CSV is a convenience
+            self.echo(f"  warning: could not write {self.paths.csv}: {e}")
+
+    def tune(self, bucket: Bucket, deadline: float | None, quiet: bool = False) -> BucketResult:
+        """Search ``bucket`` until its budget is claimed, then finalise it if every trial is
+        finished (else the result is ``pending``)."""
+        s = self.s
+        shape = bucket.shape
+        default, space = bucket_space(bucket, self.device, s.limits)
+        size = space_size(space)
+        name = self.study_name(bucket, space, default)
+        use_grid = size <= s.trials
+        study = self._open_study(bucket, name, use_grid)
+        final = study.user_attrs.get("final")
+        if final and final.get("trials_budget", 0) >= s.trials and final.get("ok"):
+            return self._resume_final(bucket, name, final, quiet)
+        failed = study.user_attrs.get("failed")
+        if quiet and failed and failed.get("trials_budget", 0) >= s.trials:  # finalised (no valid config) meanwhile
+            return BucketResult.from_final(bucket, name, failed)
+        self._seed(study, bucket, name, space, default, use_grid)
+        self._recover(study, name)
+        default_key = config_text(default)
+        trials = study.get_trials(deepcopy=False)
+        if _leader(trials, default_key) is None:  # e.g. its trial failed with no retries left
+            fitted, changes = fit_config(default, shape)
+            study.enqueue_trial(default.to_dict(), user_attrs=self._fitted_attrs(fitted, changes))
+        if not quiet:
+            measured = sum(1 for t in trials if t.state.is_finished() and t.user_attrs.get("measured"))
+            self.echo(f"  study {name.rsplit('|', 1)[-1]}: space {size} configs ({'grid' if use_grid else 'TPE'}), "
+                      f"{measured} measured before; default {config_text(default)}")
+        try:
+            self._search(study, bucket, name, shape, space, use_grid, default_key, deadline)
+        except CandidateFailed as e:  # the inputs could not be prepared
+            self.echo(f"  cannot prepare inputs: {e.reason}")
+            return BucketResult(bucket, name, False, default=default, note=e.reason)
+        if not self._complete(study, use_grid):
+            return BucketResult(bucket, name, False, default=default, pending=True)
+        ua = study.user_attrs
+        for attr in ("final", "failed"):  # another worker finalised it meanwhile
+            final = ua.get(attr)
+            if final and final.get("trials_budget", 0) >= s.trials:
+                return BucketResult.from_final(bucket, name, final, resumed=True)
+        if self._finalising_elsewhere(study):
+            return BucketResult(bucket, name, False, default=default, pending=True)
+        return self._finalize(study, bucket, name, default, self._cache_from_storage(study))
+
+    # -- studies --------------------------------------------------------------------------------
+
+    def _open_study(self, bucket: Bucket, name: str, use_grid: bool) -> optuna.Study:
+        """Create the study (one worker does; its user attribute "created_by" says which) or
+        load it; a study new to this storage takes its final from the log, if the log has one
+        (the storage was moved aside)."""
+        # One worker keeps the run's seed; several vary it (same history, same seed: same samples).
+        seed = _study_seed(self.s.seed, name + (f"|{self.label}|{self.stamp['host']}" if self.label else ""))
+        if use_grid:
+            sampler = optuna.samplers.RandomSampler(seed=seed)  # never asked: the grid is the queue
+        else:
+            sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(4, min(10, self.s.trials // 3)),
+                                                 multivariate=True, constant_liar=True)
+        created = False
+        try:
+            self.storage.get_study_id_from_name(name)
+        except KeyError:
+            try:
+                self.storage.create_new_study([StudyDirection.MINIMIZE], name)
+                created = True
+            except optuna.exceptions.DuplicatedStudyError:  # another worker was quicker
+                pass
+        study = optuna.load_study(study_name=name, storage=self.storage, sampler=sampler)
+        if created:
+            study.set_user_attr("created_by", self.stamp)
+            final = self._final_from_log(name)
+            if final is not None:
+                study.set_user_attr("final", final)  # carried into the new storage
+        if self.on_study is not None and name not in self._reported:
+            self.on_study(bucket, name)
+            self._reported.add(name)
+        return study
+
+    @staticmethod
+    def _fitted_attrs(fitted: KernelConfig, changes: Sequence[str]) -> dict[str, Any]:
+        return {"key": config_text(fitted), "config": fitted.to_dict(), "adjustments": list(changes)}
+
+    def _seed(self, study: optuna.Study, bucket: Bucket, name: str, space, default: KernelConfig,
+              use_grid: bool) -> None:
+        """Queue a new study's first trials, once: the creator queues them; another worker
+        waits for that, and queues whatever is missing itself if the creator died."""
+        ua = study.user_attrs
+        if "seeded" in ua:
+            return
+        mine = ua.get("created_by") == self.stamp
+        if not mine:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < SEED_WAIT_S:
+                ua = study.user_attrs
+                if "seeded" in ua or "final" in ua:
+                    return
+                creator = ua.get("created_by")
+                if creator is None or stamp_alive(creator) is False:
+                    break
+                time.sleep(0.2)
+        shape = bucket.shape
+        previous = self.previous.get(bucket.key)
+        if use_grid:
+            points = [dict(zip(SPACE_FIELDS, values)) for values in _product(space)]
+            random.Random(_study_seed(self.s.seed, name)).shuffle(points)
+            first = [default.to_dict()] + ([previous] if previous else [])
+            configs = first + [p for p in points if p not in first]
+        else:
+            configs = [c.to_dict() for c in seed_configs(default, space, base_programs(shape, default.block_m),
+                                                         self.device.sm_count)]
+            if previous is not None and previous not in configs:
+                configs.insert(1, previous)  # a re-tune (e.g. after a heuristic change) keeps its gains
+        for params in configs:
+            fitted, changes = fit_config(KernelConfig(**params), shape)
+            study.enqueue_trial(params, user_attrs=self._fitted_attrs(fitted, changes), skip_if_exists=not mine)
+        study.set_user_attr("seeded", len(configs))
 
     def _log_records(self) -> list[dict[str, Any]]:
-        """The results log as it was when first needed (read once per run)."""
-        if self.jsonl_records is None:
-            self.jsonl_records = ResultLog.read(self.paths.jsonl)
-        return self.jsonl_records
+        return ResultLog.read(self.paths.jsonl)
+
+    def _recover(self, study: optuna.Study, name: str) -> list[int]:
+        return recover_dead(study, name, storage=self.storage, storage_url=self.storage_url, log_path=self.paths.jsonl,
+                            grace=self.heartbeat.grace if self.heartbeat is not None else None, echo=self.echo)
 
     def _final_from_log(self, name: str) -> dict[str, Any] | None:
         """The latest successful final of study ``name`` in the log (a study storage lost
         since, e.g. moved aside as corrupt, no longer holds it), as the study attribute."""
-        finals = [r for r in self._log_records() if r.get("kind") == "final"
-                  and r.get("study") == name and r.get("ok") and FINAL_FIELDS <= r.keys()]
+        finals = [r for r in self._log_records() if r.get("kind") == "final" and r.get("study") == name
+                  and r.get("ok") and FINAL_FIELDS <= r.keys()]
         return {k: finals[-1][k] for k in FINAL_FIELDS} if finals else None
 
-    @staticmethod
-    def _set_attrs(study: optuna.Study, trial_id: int, rec: dict[str, Any]) -> None:
-        attrs = {
-            "key": rec["key"], "config": rec["config"], "measured": rec["measured"],
-            "duplicate_of": rec.get("duplicate_of"), "adjustments": rec.get("adjustments") or [],
-            "result": {k: rec.get(k) for k in ("bandwidth_gbs", "fraction_of_copy", "rel_err",
-                                                "per_spec", "compile_s", "plan_s", "measure_s")},
-        }
-        if rec.get("prune_reason"):
-            attrs["prune_reason"] = rec["prune_reason"]
-        for k, v in attrs.items():
-            study._storage.set_trial_user_attr(trial_id, k, v)
+    _set_attrs = staticmethod(_set_attrs)
 
-    def _cache_from_storage(self, study: optuna.Study) -> dict[str, Outcome]:
+    @staticmethod
+    def _cache_from_storage(study: optuna.Study) -> dict[str, Outcome]:
         cache = {}
         for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
             ua = t.user_attrs
-            if not ua.get("measured") or "key" not in ua:
-                continue
-            cache[ua["key"]] = Outcome(
-                ua["key"], KernelConfig(**ua["config"]), t.state.name, t.value,
-                ua.get("prune_reason"), t.number, ua.get("result") or {},
-            )
+            if ua.get("measured") and "key" in ua and ua["key"] not in cache:
+                cache[ua["key"]] = _outcome(t)
         return cache
 
-    def tune(self, bucket: Bucket, deadline: float | None) -> BucketResult:
+    def _complete(self, study: optuna.Study, use_grid: bool) -> bool:
+        """Every trial finished and nothing more to search: the grid's queue is empty, the
+        budget of measured configs is reached, or a worker closed the search (time share,
+        endless duplicates)."""
+        trials = study.get_trials(deepcopy=False)
+        # A TPE study's queue may hold seeds past the budget: they wait for a larger --trials.
+        if any(t.state == TrialState.RUNNING or (use_grid and t.state == TrialState.WAITING) for t in trials):
+            return False
+        ua = study.user_attrs
+        if "seeded" not in ua:
+            return False
+        if use_grid or ua.get("closed"):
+            return True
+        measured = {t.user_attrs.get("key") for t in trials if t.state.is_finished() and t.user_attrs.get("measured")}
+        return len(measured) >= self.s.trials
+
+    def _finalising_elsewhere(self, study: optuna.Study) -> bool:
+        """Another live worker is re-timing this bucket right now (it writes the final)."""
+        mark = study.user_attrs.get("finalising")
+        if not mark or mark.get("worker") == self.stamp:
+            return False
+        alive = stamp_alive(mark.get("worker"))
+        if alive is None:  # another host's: trust it for a while
+            limit = 2 * self.s.trial_timeout + (self.heartbeat.grace if self.heartbeat else 0)
+            return time.time() - mark.get("t", 0) < limit
+        return alive
+
+    # -- the search ---------------------------------------------------------------------------
+
+    def _take(self, study: optuna.Study, dists, use_grid: bool) -> optuna.Trial | None:
+        """The next trial for this worker: a queued one, else (TPE) a new sample; None when a
+        grid's queue is empty."""
+        with queue_lock(self.storage_url):
+            if not use_grid:
+                trial = study.ask(dists)  # takes a queued trial first
+                self.beats.add(trial._trial_id)
+                return trial
+            trial_id = pop_waiting(study)
+        if trial_id is None:
+            return None
+        self.beats.add(trial_id)
+        trial = optuna.trial.Trial(study, trial_id)
+        for name, dist in dists.items():
+            trial.suggest_categorical(name, list(dist.choices))
+        return trial
+
+    def _search(self, study, bucket: Bucket, name: str, shape: ProblemShape, space, use_grid: bool,
+                default_key: str, deadline: float | None) -> None:
+        """Take, compile (in the pool) and measure trials until the budget of measured configs,
+        the grid, or the time is used up; wait for other workers' trials whose results this
+        worker's duplicates need."""
         s = self.s
-        shape = bucket.shape
-        num_sms = self.device_info.sm_count
-        default = heuristic_config(shape, num_sms, self.shared_memory_per_sm)
-        space = build_space(shape, num_sms, s.limits, default)
-        size = space_size(space)
-        name = self.study_name(bucket, space, default)
-        use_grid = size <= s.trials
-        seed = _study_seed(s.seed, name)
-        if use_grid:
-            sampler = _NoStopGridSampler({k: list(v) for k, v in space.items()}, seed=seed)
-        else:
-            sampler = optuna.samplers.TPESampler(
-                seed=seed, n_startup_trials=max(4, min(10, s.trials // 3)), multivariate=True,
-                constant_liar=True,
-            )
-        study = optuna.create_study(storage=self.storage, sampler=sampler, study_name=name,
-                                    direction="minimize", load_if_exists=True)
-        self._recover(study, name)
-        final = study.user_attrs.get("final")
-        if final is None and not study.get_trials(deepcopy=False):
-            final = self._final_from_log(name)
-            if final is not None:
-                study.set_user_attr("final", final)  # carried into the new storage
-        if final and final.get("trials_budget", 0) >= s.trials and final.get("ok"):
-            return self._resume_final(bucket, name, final)
-        if not study.get_trials(deepcopy=False):  # a new study: the default first
-            base_programs = (shape.batch_size * shape.num_kv_heads
-                             * -(-shape.rows_per_kv_head // default.block_m))
-            seeds = [default] if use_grid else seed_configs(default, space, base_programs, num_sms)
-            previous = self._table_winner(bucket, space)
-            if previous is not None and previous not in seeds:
-                seeds.insert(1, previous)  # a re-tune (e.g. after a heuristic change) keeps its gains
-            for config in seeds:
-                study.enqueue_trial(config.to_dict())
-        cache = self._cache_from_storage(study)
-        waiting = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-        if config_key(default) not in cache and not any(
-                t.system_attrs.get("fixed_params") == default.to_dict() for t in waiting):
-            study.enqueue_trial(default.to_dict())  # e.g. its first attempt was interrupted
-        self.echo(f"  study {name.rsplit('|', 1)[-1]}: space {size} configs "
-                  f"({'grid' if use_grid else 'TPE'}), {len(cache)} measured before, "
-                  f"default {_short(default)}")
-        try:
-            self.client.call("prepare", timeout=max(600.0, s.trial_timeout), specs=list(bucket.specs))
-        except CandidateFailed as e:
-            self.echo(f"  cannot prepare inputs: {e.reason}")
-            return BucketResult(bucket, name, False, default=default, note=e.reason)
-
         dists = {k: CategoricalDistribution(list(v)) for k, v in space.items()}
-        bar = Progress(s.trials, f"B{bucket.bucket[0]} L{bucket.bucket[1]}", enabled=self.progress,
-                       initial=min(len(cache), s.trials), deadline=deadline)
+        trials = study.get_trials(deepcopy=False)
+        done_before = sum(1 for t in trials if t.state.is_finished() and t.user_attrs.get("measured"))
+        bar = Progress(s.trials if not use_grid else max(done_before, int(study.user_attrs.get("seeded", 1))),
+                       f"B{bucket.bucket[0]} L{bucket.bucket[1]}", enabled=self.progress,
+                       initial=min(done_before, s.trials))
         pending: list[_Pending] = []
-        inflight: dict[str, _Pending] = {}
-        retime_reserve = self._retime_reserve()
-        max_total = 4 * s.trials + 20
+        held: list[_Held] = []
+        stop_at = None if deadline is None else deadline - self._retime_reserve()
+        max_told = 4 * s.trials + 20  # duplicates after fitting can make trials cheap but endless
         dup_streak = 0
-        asking = True
-        default_key = config_key(default)
-
-        def told() -> int:
-            return len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
-
+        asking, out_of_time = True, False
+        last_recover = time.monotonic()
         try:
             while True:
-                stop_at = None if deadline is None else deadline - retime_reserve
-                out_of_time = bool(cache) and stop_at is not None and time.monotonic() >= stop_at
-                if out_of_time:  # (the first config, the default, is always measured)
-                    asking = False
+                trials = study.get_trials(deepcopy=False)
+                if stop_at is not None and not out_of_time and time.time() >= stop_at \
+                        and self._default_started(trials, default_key):
+                    asking, out_of_time = False, True
+                    self._close(study, "time budget used up")
+                    self._drop_queue(study, default_key)
                 while asking and len(pending) < max(1, s.lookahead):
-                    if len(cache) + len(inflight) >= s.trials:
+                    if not use_grid:  # the budget: configs measured or being measured, by any worker
+                        claimed = {t.user_attrs.get("key") for t in trials if t.user_attrs.get("key") and (
+                            t.state == TrialState.RUNNING or (t.state.is_finished() and t.user_attrs.get("measured")))}
+                        told = sum(1 for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
+                        if len(claimed) >= s.trials:
+                            asking = False
+                            break
+                        if told >= max_told or dup_streak >= 50:
+                            asking = False
+                            self._close(study, "too many duplicates after fitting")
+                            break
+                    trial = self._take(study, dists, use_grid)
+                    if trial is None:
                         asking = False
-                    elif told() + len(pending) >= max_total or dup_streak >= 50:
-                        asking = False
-                    elif use_grid and self._grid_exhausted(study, space):
-                        asking = False
-                    if not asking:
                         break
-                    trial = study.ask(dists)
                     params = dict(trial.params)
                     fitted, changes = fit_config(KernelConfig(**params), shape)
-                    key = config_key(fitted)
-                    if key in cache:
-                        dup_streak += 1
-                        self._tell_duplicate(study, bucket, name, trial, params, changes, cache[key])
-                    elif key in inflight:
-                        dup_streak += 1
-                        inflight[key].followers.append((trial, params, changes))
-                    else:
+                    key = config_text(fitted)
+                    attrs = {"worker": self.stamp}
+                    if trial.user_attrs.get("key") != key:  # sampled (not queued with its fitted config)
+                        attrs.update(self._fitted_attrs(fitted, changes))
+                    for k, v in attrs.items():
+                        study._storage.set_trial_user_attr(trial._trial_id, k, v)
+                    trials = study.get_trials(deepcopy=False)
+                    leader = _leader(trials, key)
+                    mine = next((p for p in pending if p.trial.number == getattr(leader, "number", None)), None)
+                    if leader is None or leader.number == trial.number:
                         dup_streak = 0
                         fut = self.pool.submit(bucket.specs, fitted) if self.pool is not None else None
-                        p = _Pending(trial, params, fitted, key, changes, fut)
-                        pending.append(p)
-                        inflight[key] = p
-                if out_of_time:
-                    # Drop candidates still compiling (told FAIL, never measured).
-                    for q in [q for q in pending if q.future is not None and not q.future.done()
-                              and q.key != default_key]:
-                        q.future.cancel()
-                        pending.remove(q)
-                        del inflight[q.key]
-                        for t in [q.trial] + [f[0] for f in q.followers]:
-                            t.set_user_attr("skipped", "time budget used up while compiling")
-                            study.tell(t, state=TrialState.FAIL)
+                        pending.append(_Pending(trial, params, fitted, key, tuple(changes), fut))
+                    elif leader.state.is_finished():
+                        dup_streak += 1
+                        self._tell(study, trial, self._record(bucket, name, trial.number, params, _outcome(leader),
+                                                              changes, False, False))
+                    elif mine is not None:
+                        dup_streak += 1
+                        mine.followers.append((trial, params, tuple(changes)))
+                    else:
+                        dup_streak += 1
+                        held.append(_Held(trial, params, fitted, key, tuple(changes)))
+                if held:
+                    self._resolve_held(study, bucket, name, held, pending, trials, out_of_time, default_key)
+                if out_of_time:  # drop candidates still compiling past the time share (told FAIL)
+                    self._drop_compiling(study, pending, default_key)
                 if not pending:
-                    break
-                wait_s = None
-                if cache and stop_at is not None and default_key not in inflight:
-                    wait_s = max(0.0, stop_at - time.monotonic())
+                    if not held:
+                        break
+                    if time.monotonic() - last_recover > 5.0:  # the leaders' workers may have died
+                        last_recover = time.monotonic()
+                        self._recover(study, name)
+                    time.sleep(POLL_S)
+                    continue
+                if self._prepared != bucket:
+                    self.client.call("prepare", timeout=max(600.0, s.trial_timeout), specs=list(bucket.specs))
+                    self._prepared = bucket
+                wait_s = POLL_S if held else None
+                if stop_at is not None and not out_of_time:
+                    left = max(0.0, stop_at - time.time())
+                    wait_s = left if wait_s is None else min(wait_s, left)
                 p = self._next_ready(pending, wait_s)
-                if p is None:  # nothing compiled before the deadline: re-check at the top
+                if p is None:  # nothing compiled in time: re-check at the top
                     continue
                 pending.remove(p)
+                leader = _leader(study.get_trials(deepcopy=False), p.key)
+                if leader is not None and leader.number != p.trial.number:
+                    # Another worker sampled the same fitted config a moment earlier (TPE).
+                    held += [_Held(p.trial, p.params, p.config, p.key, p.adjustments)] + [
+                        _Held(t, prm, p.config, p.key, ch) for t, prm, ch in p.followers]
+                    continue
                 outcome = self._measure(bucket, p)
-                del inflight[p.key]
-                cache[p.key] = outcome
                 self._tell_measured(study, bucket, name, p, outcome, p.key == default_key)
-                best = min((o.value for o in cache.values() if o.value is not None), default=None)
-                d = cache.get(default_key)
-                post = f"best {best:.2f} us" if best is not None else "no valid config yet"
-                if d is not None and d.value is not None:
+                measured = [_outcome(t) for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                            if t.user_attrs.get("measured") and t.value is not None]
+                best = min((o.value for o in measured), default=None)
+                d = next((o for o in measured if o.key == default_key), None)
+                post = f"best trial {best:.2f} us" if best is not None else "no valid config yet"
+                if d is not None:
                     post += f", default {d.value:.2f} us"
-                bar.update(1, post)
+                bar.update(post)
         finally:
             bar.close()
-            for p in pending:  # only on an exception: leave no trial RUNNING in this process
-                for t in [p.trial] + [f[0] for f in p.followers]:
-                    study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
-        return self._finalize(study, bucket, name, default, cache)
+            # Only on an exception: leave no trial RUNNING in this process; queue them again.
+            mine = [p.trial for p in pending] + [f[0] for p in pending for f in p.followers] + [h.trial for h in held]
+            for t in mine:
+                self._release(study, t, "interrupted")
 
-    def stale_buckets(self, buckets: Sequence[Bucket]) -> list[Bucket]:
-        """The buckets whose entry the output table lacks, or holds timed against another default
-        than the heuristic gives today (a tsdecode upgrade that changed the heuristic), or with
-        another kernel or triton major version (``Table.stale``); a re-tune of just these keeps
-        "tuned never slower than the heuristic" true for the whole table."""
-        table = tables.load_table(self.paths.table) if self.paths.table.exists() else None
-        if table is None or table.stale:
-            return list(buckets)
-        num_sms = self.device_info.sm_count
-        stale = []
-        for bucket in buckets:
-            entry = table.entries.get(bucket.class_key, {}).get(bucket.bucket)
-            default = heuristic_config(bucket.shape, num_sms, self.shared_memory_per_sm)
-            if entry is None or entry.default_config != default:
-                stale.append(bucket)
-        return stale
+    @staticmethod
+    def _default_started(trials, default_key: str) -> bool:
+        """The default's measurement has been taken by a worker (it is always measured, even
+        out of time)."""
+        leader = _leader(trials, default_key)
+        return leader is None or leader.state != TrialState.WAITING
 
-    def _table_winner(self, bucket: Bucket, space: dict[str, Sequence[int]]) -> KernelConfig | None:
-        """The winner the output table already holds for ``bucket`` (None if absent, unreadable
-        or outside today's search space): a new study measures it among its first trials."""
-        table = tables.load_table(self.paths.table) if self.paths.table.exists() else None
-        entry = table.entries.get(bucket.class_key, {}).get(bucket.bucket) if table else None
-        if entry is None:
-            return None
-        config = entry.kernel_config
-        if any(getattr(config, k) not in v for k, v in space.items()):
-            return None
-        return config
+    def _close(self, study: optuna.Study, why: str) -> None:
+        if not study.user_attrs.get("closed"):
+            study.set_user_attr("closed", why)
+
+    def _drop_queue(self, study: optuna.Study, default_key: str) -> None:
+        """Out of time: fail the study's queued trials (the default's excepted), so that the
+        bucket can finish."""
+        with queue_lock(self.storage_url):
+            for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+                if t.user_attrs.get("key") == default_key:
+                    continue
+                try:
+                    if study._storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
+                        study._storage.set_trial_user_attr(t._trial_id, "skipped", "time budget used up")
+                        study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
+                except optuna.exceptions.UpdateFinishedTrialError:
+                    continue
+
+    def _drop_compiling(self, study, pending: list[_Pending], default_key: str) -> None:
+        for q in [q for q in pending if q.future is not None and not q.future.done() and q.key != default_key]:
+            q.future.cancel()
+            pending.remove(q)
+            for t in [q.trial] + [f[0] for f in q.followers]:
+                t.set_user_attr("skipped", "time budget used up while compiling")
+                study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
+                self.beats.discard(t._trial_id)
+
+    def _resolve_held(self, study, bucket: Bucket, name: str, held: list[_Held], pending: list[_Pending],
+                      trials, out_of_time: bool, default_key: str) -> None:
+        """Record held trials whose leader has a result as its duplicates; a held trial that
+        became the leader (the previous one failed) is measured here, or dropped out of time."""
+        for h in list(held):
+            leader = _leader(trials, h.key)
+            if leader is None or leader.number == h.trial.number:
+                held.remove(h)
+                if out_of_time and h.key != default_key:
+                    h.trial.set_user_attr("skipped", "time budget used up")
+                    study.tell(h.trial, state=TrialState.FAIL, skip_if_finished=True)
+                    self.beats.discard(h.trial._trial_id)
+                    continue
+                fut = self.pool.submit(bucket.specs, h.config) if self.pool is not None else None
+                pending.append(_Pending(h.trial, h.params, h.config, h.key, h.adjustments, fut))
+            elif leader.state.is_finished():
+                held.remove(h)
+                self._tell(study, h.trial, self._record(bucket, name, h.trial.number, h.params, _outcome(leader),
+                                                        h.adjustments, False, False))
+
+    def _release(self, study: optuna.Study, trial: optuna.Trial, why: str) -> None:
+        """Give back a trial this worker cannot finish: failed, and queued again."""
+        self.beats.discard(trial._trial_id)
+        try:
+            with queue_lock(self.storage_url):
+                if study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+                    retry_trial(study, study._storage.get_trial(trial._trial_id), why)
+        except Exception:  # finished meanwhile, or the storage is gone: a later run recovers it
+            pass
 
     def _retime_reserve(self) -> float:
         per = self.s.replay_ms / 1000.0 + 0.1 if self.s.timing == "cuda-graph" else 0.5
         return (self.s.top_k + 1) * (self.s.retime_rounds * per + 0.5)
-
-    @staticmethod
-    def _grid_exhausted(study: optuna.Study, space: dict[str, Sequence[int]]) -> bool:
-        seen = {
-            tuple(t.params.get(k) for k in SPACE_FIELDS)
-            for t in study.get_trials(deepcopy=False)
-            if t.state != TrialState.FAIL and len(t.params) == len(SPACE_FIELDS)
-        }
-        return len(seen) >= space_size(space)
 
     @staticmethod
     def _next_ready(pending: list[_Pending], timeout: float | None) -> _Pending | None:
@@ -971,10 +952,7 @@ class Tuner:
             if p.future is None or p.future.done():
                 return p
         wait([p.future for p in pending], timeout=timeout, return_when=FIRST_COMPLETED)
-        for p in pending:
-            if p.future.done():
-                return p
-        return None
+        return next((p for p in pending if p.future.done()), None)
 
     def _measure(self, bucket: Bucket, p: _Pending) -> Outcome:
         compile_s = None
@@ -982,111 +960,107 @@ class Tuner:
             res = self.pool.result(p.future)
             compile_s = res.get("seconds")
             if res.get("ok") is False:
-                return Outcome(p.key, p.config, "PRUNED", None, res["reason"], p.trial.number,
-                               {"compile_s": compile_s})
+                return Outcome(p.key, p.config, "PRUNED", None, res["reason"], p.trial.number, {"compile_s": compile_s})
         try:
-            r = self.client.call("measure", timeout=self.s.trial_timeout, specs=list(bucket.specs),
-                                 config=p.config)
+            r = self.client.call("measure", timeout=self.s.trial_timeout, specs=list(bucket.specs), config=p.config)
         except CandidateFailed as e:
-            return Outcome(p.key, p.config, "PRUNED", None, e.reason, p.trial.number,
-                           {"compile_s": compile_s})
-        result = {
-            "bandwidth_gbs": r["bandwidth_gbs"],
-            "fraction_of_copy": r["bandwidth_gbs"] / self.copy_bw if self.copy_bw else None,
-            "rel_err": r["rel_err"], "per_spec": r["per_spec"],
-            "compile_s": compile_s, "plan_s": r["plan_s"], "measure_s": r["measure_s"],
-        }
+            return Outcome(p.key, p.config, "PRUNED", None, e.reason, p.trial.number, {"compile_s": compile_s})
         self.plan_s += r["plan_s"]
         self.measured_now += 1
+        result = {**{k: r[k] for k in ("bandwidth_gbs", "rel_err", "per_spec", "plan_s", "measure_s")},
+                  "fraction_of_copy": r["bandwidth_gbs"] / self.copy_bw if self.copy_bw else None,
+                  "compile_s": compile_s}
         return Outcome(p.key, p.config, "COMPLETE", r["time_us"], None, p.trial.number, result)
 
     def _record(self, bucket: Bucket, name: str, trial_number: int, params: dict, outcome: Outcome,
                 adjustments: Sequence[str], measured: bool, is_default: bool) -> dict[str, Any]:
-        rec = {
-            "kind": "trial", "study": name, "class_key": bucket.class_key,
-            "bucket": list(bucket.bucket), "specs": [s.name for s in bucket.specs],
-            "trial": trial_number, "state": outcome.state, "params": params,
-            "config": outcome.config.to_dict(), "key": outcome.key, "measured": measured,
-            "duplicate_of": None if measured else outcome.trial,
-            "adjustments": list(adjustments), "is_default": is_default,
-            "time_us": outcome.value, **{k: outcome.result.get(k) for k in (
-                "bandwidth_gbs", "fraction_of_copy", "rel_err", "per_spec", "compile_s", "plan_s",
-                "measure_s")},
-            "prune_reason": None,
-        }
+        reason = None
         if outcome.state == "PRUNED":
             reason = outcome.reason or "failed"
             if not measured:
                 reason = f"duplicate of trial {outcome.trial}: {reason}"
-            rec["prune_reason"] = reason
-        return rec
+        return {
+            "kind": "trial", "study": name, "class_key": bucket.class_key, "bucket": list(bucket.bucket),
+            "specs": [s.name for s in bucket.specs], "trial": trial_number, "state": outcome.state,
+            "params": params, "config": outcome.config.to_dict(), "key": outcome.key, "measured": measured,
+            "duplicate_of": None if measured else outcome.trial, "adjustments": list(adjustments),
+            "is_default": is_default, "time_us": outcome.value,
+            **{k: outcome.result.get(k) for k in RESULT_FIELDS}, "prune_reason": reason,
+            "worker": self.label or None,
+        }
 
     def _tell(self, study: optuna.Study, trial: optuna.Trial, rec: dict[str, Any]) -> None:
         self.log.write(rec)  # first the log (durable), then the study
-        self._set_attrs(study, trial._trial_id, rec)
+        self.beats.discard(trial._trial_id)
+        try:
+            self._set_attrs(study, trial._trial_id, rec)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            self.echo(f"  trial {trial.number}: failed as stale by another worker before its result arrived; "
+                      "its result stays in the log only")
+            return
         if rec["state"] == "COMPLETE":
-            study.tell(trial, rec["time_us"])
+            study.tell(trial, rec["time_us"], skip_if_finished=True)
         else:
-            study.tell(trial, state=TrialState.PRUNED)
+            study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
 
     def _tell_measured(self, study, bucket, name, p: _Pending, outcome: Outcome, is_default: bool) -> None:
-        rec = self._record(bucket, name, p.trial.number, p.params, outcome, p.adjustments, True, is_default)
-        self._tell(study, p.trial, rec)
+        self._tell(study, p.trial, self._record(bucket, name, p.trial.number, p.params, outcome, p.adjustments,
+                                                True, is_default))
         if outcome.state == "PRUNED":
-            self.echo(f"  pruned {_short(p.config)}: {outcome.reason}")
+            self.echo(f"  pruned {config_text(p.config)}: {outcome.reason}")
         for trial, params, changes in p.followers:
-            self._tell_duplicate(study, bucket, name, trial, params, changes, outcome)
-
-    def _tell_duplicate(self, study, bucket, name, trial, params, changes, outcome: Outcome) -> None:
-        rec = self._record(bucket, name, trial.number, params, outcome, changes, False, False)
-        self._tell(study, trial, rec)
+            self._tell(study, trial, self._record(bucket, name, trial.number, params, outcome, changes, False, False))
 
     # -- the end of a bucket --------------------------------------------------------------------
 
-    def _finalize(self, study: optuna.Study, bucket: Bucket, name: str, default: KernelConfig,
-                  cache: dict[str, Outcome]) -> BucketResult:
-        measured = len(cache)
-        pruned = sum(o.state == "PRUNED" for o in cache.values())
-        default_key = config_key(default)
-        complete = sorted((o for o in cache.values() if o.state == "COMPLETE"), key=lambda o: o.value)
-        base = dict(bucket=bucket, study_name=name, default=default, measured=measured, pruned=pruned)
-        if not complete:
-            note = "every candidate failed"
-            d = cache.get(default_key)
-            if d is not None and d.reason:
-                note += f" (default: {d.reason})"
-            self.echo(f"  no valid config for this bucket: {note}")
-            self.log.write({"kind": "final", "study": name, "ok": False, "note": note})
-            return BucketResult(**base, ok=False, note=note)
-        d_out = cache.get(default_key)
-        default_ok = d_out is not None and d_out.state == "COMPLETE"
-        top = [o for o in complete if o.key != default_key][: self.s.top_k]
-        configs = ([default] if default_ok else []) + [o.config for o in top]
-        note = ""
+    def _retime(self, bucket: Bucket, configs: list[KernelConfig], fallback: list[Outcome]):
+        """(times per config, bytes moved, note, rounds): the interleaved re-timing, or the
+        search's own timings (0 rounds) if it fails."""
         try:
             rt = self.client.call("retime", timeout=self.s.trial_timeout * 2, specs=list(bucket.specs),
                                   configs=configs, rounds=self.s.retime_rounds)
-            times = {configs[i]: t for i, t in rt["times_us"].items() if t}
-            nbytes = rt["bytes"]
-            for i, reason in rt["failed"].items():
-                note += f"re-timing failed for {_short(configs[i])}: {reason}; "
-        except CandidateFailed as e:  # fall back to the search's own timings
-            note += f"re-timing failed ({e.reason}); search timings used; "
-            times = {o.config: [o.value] for o in ([d_out] if default_ok else []) + top}
-            first = complete[0].result.get("per_spec") or []
-            nbytes = _geo([p["bytes"] for p in first]) if first else None
+        except CandidateFailed as e:
+            first = fallback[0].result.get("per_spec") or [] if fallback else []
+            return ({o.config: [o.value] for o in fallback}, geomean(p["bytes"] for p in first),
+                    f"re-timing failed ({e.reason}); search timings used; ", 0)
+        note = "".join(f"re-timing failed for {config_text(configs[i])}: {reason}; "
+                       for i, reason in rt["failed"].items())
+        return {configs[i]: t for i, t in rt["times_us"].items() if t}, rt["bytes"], note, self.s.retime_rounds
+
+    def _finalize(self, study: optuna.Study, bucket: Bucket, name: str, default: KernelConfig,
+                  cache: dict[str, Outcome]) -> BucketResult:
+        """Re-time the best few against the default on this GPU and write the study's final."""
+        study.set_user_attr("finalising", {"worker": self.stamp, "t": time.time()})
+        self._prepared = None  # re-timing prepares the bucket's inputs itself
+        measured = len(cache)
+        pruned = sum(o.state == "PRUNED" for o in cache.values())
+        default_key = config_text(default)
+        complete = sorted((o for o in cache.values() if o.state == "COMPLETE"), key=lambda o: o.value)
+        base = dict(bucket=bucket, study_name=name, default=default, measured=measured, pruned=pruned)
+        d_out = cache.get(default_key)
+        if not complete:
+            note = "every candidate failed" + (
+                f" (default: {d_out.reason})" if d_out is not None and d_out.reason else "")
+            self.echo(f"  no valid config for this bucket: {note}")
+            failed = {"ok": False, "note": note, "measured": measured, "pruned": pruned, "trials_budget": self.s.trials}
+            study.set_user_attr("failed", failed)
+            study.set_user_attr("finalising", None)
+            self.log.write({"kind": "final", "study": name, **failed})
+            return BucketResult(**base, ok=False, note=note)
+        default_ok = d_out is not None and d_out.state == "COMPLETE"
+        top = [o for o in complete if o.key != default_key][: self.s.top_k]
+        configs = ([default] if default_ok else []) + [o.config for o in top]
+        times, nbytes, note, rounds = self._retime(bucket, configs, ([d_out] if default_ok else []) + top)
         for config, t in times.items():
             self.log.write({"kind": "retime", "study": name, "class_key": bucket.class_key,
                             "bucket": list(bucket.bucket), "specs": [s.name for s in bucket.specs],
-                            "config": config.to_dict(), "is_default": config == default,
-                            "times_us": t, "median_us": statistics.median(t)})
+                            "config": config.to_dict(), "is_default": config == default, "times_us": t,
+                            "median_us": statistics.median(t)})
         med = {c: statistics.median(t) for c, t in times.items()}
         if default_ok and default in med:
-            d_times = times[default]
             d_med = med[default]
-            noise = retime_noise(d_times)
-            challengers = [c for c in med if c != default]
-            best = min(challengers, key=med.get) if challengers else None
+            noise = retime_noise(times[default])
+            best = min((c for c in med if c != default), key=med.get, default=None)
             if best is not None and med[best] < d_med * (1 - noise):
                 winner, t_win, kept = best, med[best], False
             else:
@@ -1098,47 +1072,42 @@ class Tuner:
             winner = min(med, key=med.get) if med else complete[0].config
             t_win = med.get(winner, complete[0].value)
             d_med, kept = t_win, False
-            reason = d_out.reason if d_out is not None else "not measured"
-            note += f"default failed ({reason}); its time is recorded as the winner's; "
+            note += (f"default failed ({d_out.reason if d_out is not None else 'not measured'}); its time is "
+                     "recorded as the winner's; ")
         bw = nbytes / (t_win * 1e-6) / 1e9 if nbytes else 0.0
         d_bw = nbytes / (d_med * 1e-6) / 1e9 if nbytes else 0.0
         frac = bw / self.copy_bw if self.copy_bw else None
-        entry = tables.TableEntry(winner, float(t_win), float(bw), frac, default, float(d_med), float(d_bw),
-                                  tuned_batch_size=bucket.representative.batch_size)
-        tables.merge_entries(self.paths.table, self.device_info,
-                             {bucket.class_key: {bucket.bucket: entry}}, self.tuner_settings())
         final = {
-            "ok": True, "winner": winner.to_dict(), "time_us": t_win, "bandwidth_gbs": bw,
-            "fraction_of_copy": frac, "default": default.to_dict(), "default_time_us": d_med,
-            "default_bandwidth_gbs": d_bw, "kept_default": kept, "noise": noise,
-            "trials_budget": self.s.trials, "measured": measured, "pruned": pruned, "note": note,
+            "ok": True, "winner": winner.to_dict(), "time_us": t_win, "bandwidth_gbs": bw, "fraction_of_copy": frac,
+            "default": default.to_dict(), "default_time_us": d_med, "default_bandwidth_gbs": d_bw,
+            "kept_default": kept, "noise": noise, "trials_budget": self.s.trials, "measured": measured,
+            "pruned": pruned, "note": note, "worker": self.label or None,
         }
         study.set_user_attr("final", final)
-        self.log.write({"kind": "final", "study": name, "class_key": bucket.class_key,
-                        "bucket": list(bucket.bucket), **final})
-        verdict = "default kept" if kept else f"{med.get(default, d_med) / t_win:.2f}x over default"
-        self.echo(f"  winner {_short(winner)}: {t_win:.2f} us ({verdict}"
-                  + (f", noise {100 * noise:.1f}%" if noise is not None else "") + ")")
-        return BucketResult(**base, ok=True, winner=winner, time_us=t_win, bandwidth_gbs=bw,
-                            fraction_of_copy=frac, default_time_us=d_med, kept_default=kept,
-                            noise=noise, note=note)
+        study.set_user_attr("finalising", None)
+        self.log.write({"kind": "final", "study": name, "class_key": bucket.class_key, "bucket": list(bucket.bucket),
+                        **final})
+        # The search timed each config once (a short timing); the winner is the re-timing's median.
+        how = (f"median of {rounds} interleaved round{'s' if rounds != 1 else ''} with "
+               f"{len(times)} finalist{'s' if len(times) != 1 else ''}" if rounds else "search timing, not re-timed")
+        verdict = ("default kept" if kept else f"{med.get(default, d_med) / t_win:.2f}x over the default") + (
+            f", noise {100 * noise:.1f}%" if noise is not None else "")
+        self.echo(f"  best trial {complete[0].value:.2f} us (one short timing each); re-timed winner "
+                  f"{config_text(winner)}: {t_win:.2f} us ({how}; {verdict})")
+        return BucketResult(**base, ok=True, winner=winner, time_us=t_win, bandwidth_gbs=bw, fraction_of_copy=frac,
+                            default_time_us=d_med, default_bandwidth_gbs=d_bw, kept_default=kept, noise=noise,
+                            note=note)
 
-    def _resume_final(self, bucket: Bucket, name: str, final: dict[str, Any]) -> BucketResult:
-        """A bucket a previous run finished: re-merge its entry (idempotent) and report it."""
-        winner, default = KernelConfig(**final["winner"]), KernelConfig(**final["default"])
-        entry = tables.TableEntry(winner, float(final["time_us"]), float(final["bandwidth_gbs"]),
-                                  final["fraction_of_copy"], default, float(final["default_time_us"]),
-                                  float(final["default_bandwidth_gbs"]),
-                                  tuned_batch_size=bucket.representative.batch_size)
-        tables.merge_entries(self.paths.table, self.device_info,
-                             {bucket.class_key: {bucket.bucket: entry}}, self.tuner_settings())
-        self.echo(f"  already tuned ({final['measured']} configs measured): {_short(winner)} "
-                  f"{final['time_us']:.2f} us")
-        return BucketResult(bucket, name, True, winner, final["time_us"], final["bandwidth_gbs"],
-                            final["fraction_of_copy"], default, final["default_time_us"],
-                            final["kept_default"], final["noise"], final["measured"],
-                            final["pruned"], final.get("note", ""), resumed=True)
+    def _resume_final(self, bucket: Bucket, name: str, final: dict[str, Any], quiet: bool = False) -> BucketResult:
+        """A bucket already finished (by an earlier run or another worker)."""
+        if not quiet:
+            winner = config_text(KernelConfig(**final["winner"]))
+            self.echo(f"  already tuned ({final['measured']} configs measured): {winner} {final['time_us']:.2f} us "
+                      "(re-timed)")
+        return BucketResult.from_final(bucket, name, final, resumed=True)
 
 
-def _geo(values: Sequence[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values))
+def _product(space: dict[str, Sequence[int]]):
+    import itertools
+
+    return itertools.product(*(space[k] for k in SPACE_FIELDS))

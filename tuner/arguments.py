@@ -1,0 +1,64 @@
+"""Command-line plumbing shared by ``tsdecode-tune`` and its ``report`` subcommand: one-line usage
+errors (exit code 2) and the argument types."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+PROG = "tsdecode-tune"
+
+
+class UsageError(Exception):
+    """A bad command line, grid or environment: the message goes to stderr, the exit code is 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
+def int_list(text: str) -> list[int]:
+    """``"1,8,64"`` -> [1, 8, 64]: positive integers (ValueError otherwise)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expected a comma-separated list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def int_list_type(text: str) -> list[int]:
+    """``int_list`` as an argparse type."""
+    try:
+        return int_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def bounded(kind: type, minimum: float, strict: bool):
+    """An argparse type: a finite ``kind`` (int or float) >= ``minimum`` (> if ``strict``); nan and
+    inf are refused because "no limit" is spelled by leaving the flag out."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {noun}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if value < minimum or (strict and value == minimum):
+            raise argparse.ArgumentTypeError(f"expected {noun} {'>' if strict else '>='} {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_float = bounded(float, 0, strict=True)
+nonnegative_float = bounded(float, 0, strict=False)
+positive_int = bounded(int, 1, strict=False)
+nonnegative_int = bounded(int, 0, strict=False)
