@@ -1,0 +1,79 @@
+"""Generate with Hugging Face transformers' continuous batching, tsdecode running the decode steps.
+
+    python examples/transformers_generate.py                      # a small random Llama, no download
+    python examples/transformers_generate.py --model Qwen/Qwen2.5-0.5B-Instruct   # a real checkpoint
+
+transformers 5.17 or 5.24; a CUDA GPU (without one, Triton's interpreter runs it on the CPU,
+slowly). Compares the tokens with transformers' own paged SDPA unless --no-compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+
+from tsdecode.integrations import transformers as tsdecode_transformers  # noqa: E402
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Paged attention stores the KV cache in",
+           "Once upon a time"]
+
+
+def load(args, device):
+    """(model, prompts as token lists, decode: token list -> str)."""
+    if args.model:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).to(device)
+        return model.eval(), [tokenizer.encode(p) for p in PROMPTS], tokenizer.decode
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, initializer_range=0.1)
+    model = LlamaForCausalLM(config).to(device, torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 1000, (n,), generator=g).tolist() for n in (5, 23, 9, 40)]
+    return model, prompts, str
+
+
+def generate(model, prompts, max_new_tokens: int) -> list[list[int]]:
+    api = tsdecode_transformers.transformers_api()
+    cb = ContinuousBatchingConfig(**({"auto_switch_to_flash": False} if api == "5.24" else {}))
+    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
+    out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    return [out[r].generated_tokens for r in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", help="a Hugging Face checkpoint (default: a random tiny Llama)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--no-compare", action="store_true")
+    args = p.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, prompts, decode = load(args, device)
+
+    tsdecode_transformers.enable(model)  # the one call
+    tokens = generate(model, prompts, args.max_new_tokens)
+    tsdecode_transformers.disable(model)
+    for prompt, t in zip(prompts, tokens):
+        print(f"{decode(prompt)!r} -> {decode(t)!r}")
+
+    if not args.no_compare:
+        model.set_attn_implementation("paged|sdpa" if tsdecode_transformers.transformers_api() == "5.17" else "sdpa")
+        expected = generate(model, prompts, args.max_new_tokens)
+        same = sum(a == b for a, b in zip(expected, tokens))
+        print(f"{same} of {len(tokens)} requests generate the same tokens as transformers' paged SDPA "
+              "(bf16 near-ties can flip a token)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""examples/decode_loop.py: a paged decode loop with requests joining and leaving matches the
+float64 reference at every step, in every mode (CPU: eager and compiled through Triton's
+interpreter; GPU-marked: eager, CUDA graphs and inductor, at larger sizes).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import torch
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "decode_loop.py"
+_spec = importlib.util.spec_from_file_location("decode_loop", _PATH)
+decode_loop = sys.modules["decode_loop"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decode_loop)
+
+REL_TOL, ABS_TOL = 1.2e-2, 0.05  # bf16 bounds of tests/cases.py
+
+
+def _check(results, modes):
+    assert list(results) == modes
+    first = results[modes[0]]
+    assert first.joined > first.left >= 1, "requests must join and leave during the run"
+    assert len(first.batch_sizes) >= 2
+    for mode, r in results.items():
+        assert (r.steps, r.joined, r.left, r.batch_sizes) == (first.steps, first.joined, first.left, first.batch_sizes)
+        assert r.max_rel_err < REL_TOL and r.max_err < ABS_TOL, (mode, r)
+    compiled = results["compiled"]
+    assert compiled.graph_breaks == 0 and 1 <= compiled.compiled_graphs <= len(compiled.batch_sizes_planned)
+
+
+def test_decode_loop_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("the GPU variant below runs the loop on this machine")
+    results = decode_loop.main(["--steps", "16", "--join-rate", "0.6", "--max-new", "6"])
+    _check(results, ["eager", "compiled"])
+
+
+@pytest.mark.gpu
+def test_decode_loop_gpu():
+    results = decode_loop.main(["--steps", "120"])
+    _check(results, ["eager", "graphed", "compiled"])

@@ -1,0 +1,88 @@
+"""tsdecode.graphs.DecodeGraphs: one planned wrapper (and CUDA graph) per padded batch size.
+
+Batches of changing size and changing pages go through the padded sizes and match the float64
+reference; padding rows are reset between steps. CPU: the wrappers run without graphs (Triton's
+interpreter); GPU-marked: captured graphs replayed with new lengths and re-mapped pages.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tsdecode.graphs import DecodeGraphs
+from tsdecode.reference import reference_decode
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HQ, HKV, D, P, NUM_PAGES, MAX_KV_LEN = 4, 2, 64, 4, 40, 24
+
+
+def _cache(separate: bool):
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(NUM_PAGES, 2, HKV, P, D, generator=g).to(DEVICE, torch.bfloat16)
+    return (kv[:, 0], kv[:, 1]) if separate else kv
+
+
+def _step(lens: list[int], seed: int):
+    """q, lengths and a block table of distinct random pages (page 0 kept for padding)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = (torch.randperm(NUM_PAGES - 1, generator=g) + 1)[:len(lens) * (MAX_KV_LEN // P)]
+    table = pages.view(len(lens), -1).to(torch.int32)
+    q = torch.randn(len(lens), HQ, D, generator=g).to(torch.bfloat16)
+    return q.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE), table.to(DEVICE)
+
+
+def _check(out, q, cache, lens, table):
+    """The repo's bf16 bounds (tests/cases.py): relative L2 error < 1.2e-2, max abs error < 0.05."""
+    ref = reference_decode(q, cache, table, lens)
+    err = out.double() - ref
+    assert float(err.norm() / ref.norm()) < 1.2e-2 and float(err.abs().max()) < 0.05
+
+
+# Batches grow and shrink (requests joining and leaving) across the padded sizes 1, 2, 4.
+STEPS = [[5], [5, 17], [6, 18, 1], [7, 19, 2, 24], [20, 3], [1]]
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["combined", "separate"])
+def test_changing_batches_match_reference(separate):
+    cache = _cache(separate)
+    graphs = DecodeGraphs(cache, HQ, MAX_KV_LEN, batch_sizes=(1, 2, 4), capture=False)
+    for seed, lens in enumerate(STEPS):
+        q, seq_lens, table = _step(lens, seed)
+        out = graphs(q, seq_lens, table)
+        assert out.shape == q.shape
+        _check(out, q, cache, seq_lens, table)
+    assert sorted(graphs._static) == [1, 2, 4]
+
+
+def test_padding_rows_are_reset():
+    graphs = DecodeGraphs(_cache(False), HQ, MAX_KV_LEN, batch_sizes=(4,), pad_page=3, capture=False)
+    graphs(*_step([9, 10, 11], 0))
+    static = graphs.stage(*_step([12], 1))
+    assert static.seq_lens.tolist() == [12, 1, 1, 1]
+    assert static.block_tables[1:, 0].tolist() == [3, 3, 3]
+
+
+def test_batch_sizes_and_limits():
+    graphs = DecodeGraphs(_cache(False), HQ, MAX_KV_LEN, batch_sizes=(8, 1, 2), capture=False)
+    assert [graphs.padded_batch_size(b) for b in (1, 2, 3, 8)] == [1, 2, 8, 8]
+    with pytest.raises(ValueError, match="exceeds the largest captured batch size 8"):
+        graphs.padded_batch_size(9)
+    q, lens, table = _step([5], 0)
+    with pytest.raises(ValueError, match="allows 6"):
+        graphs(q, lens, torch.zeros(1, 7, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_new_lengths_and_pages():
+    cache = _cache(False)
+    graphs = DecodeGraphs(cache, HQ, MAX_KV_LEN, batch_sizes=(1, 2, 4))
+    graphs.capture_all()
+    captured = {size: static.graph for size, static in graphs._static.items()}
+    assert all(g is not None for g in captured.values())
+    for seed, lens in enumerate(STEPS * 2):
+        q, seq_lens, table = _step(lens, seed)
+        out = graphs(q, seq_lens, table)
+        _check(out, q, cache, seq_lens, table)
+        cache[table[0, 0].long(), 0, 0, 0, 0] += 1.0  # the cache changes in place between replays
+    assert {size: static.graph for size, static in graphs._static.items()} == captured  # no re-capture
