@@ -1,4 +1,7 @@
-"""Benchmark tsdecode's decode op with the anchors' CUDA-graph method; print a table.
+"""Kernel time and % of the copy bandwidth of tsdecode's picks on benchmark suites (CUDA graphs).
+
+Times ``BatchDecodePagedTSWrapper.run(validate=False)`` with the anchors' CUDA-graph method
+(``tuner.measure``), each shape's config as the runtime picks it (tuned table or model).
 
 Suites:
   llama    Llama-3-8B-like shapes (Hq=32, Hkv=8, D=128, bf16, P=16; B in {1,16,128};
@@ -7,7 +10,7 @@ Suites:
   heldout  ten ragged llama3-8b shapes off the tuning grid: the table-selected config vs that
            shape's own best (a coordinate search over the config space), target within 5%.
 Options: --sweep times a set of split counts / tiles / warps per shape and reports the best
-(calibrates the heuristic); --only picks shapes by name; --csv writes rows.
+(the config model's neighbourhood); --only picks shapes by name; --csv writes rows.
 
 Usage: python scripts/bench_decode.py --suite llama [--sweep] [--csv out.csv]
 """
@@ -26,13 +29,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 import tsdecode  # noqa: E402
-from tsdecode.configs import KernelConfig, device_num_sms, fit_config, heuristic_config  # noqa: E402
+from tsdecode.config.heuristic import heuristic_config  # noqa: E402
+from tsdecode.config.space import KernelConfig, fit_config  # noqa: E402
+from tsdecode.device import DeviceProperties, device_properties  # noqa: E402
+from tsdecode.kernels.launch import DecodeLaunch, allocate_scratch, pdl_supported  # noqa: E402
+from tsdecode.reference import reference_decode  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
 from tuner.measure import (  # noqa: E402
-    bytes_moved, copy_bandwidth_gbs, graph_time_us, input_q_lens, make_inputs, num_copies, relative_error,
+    bytes_moved, copy_bandwidth_gbs, decode_call, graph_time_us, input_q_lens, make_inputs, num_copies,
+    plan_wrapper, relative_error,
 )
-from tsdecode.reference import reference_decode  # noqa: E402
-from tuner.runner import plan_wrapper  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,15 +92,19 @@ def heldout_suite() -> list[ShapeSpec]:
     )]
 
 
-def own_best_search(spec: ShapeSpec, sets, start: KernelConfig, num_sms: int, replay_ms: float = 10.0):
+def own_best_search(spec: ShapeSpec, sets, start: KernelConfig, device: DeviceProperties | int | None = None,
+                    replay_ms: float = 10.0):
     """Coordinate search for the best config of one exact shape (what the table is judged against).
 
     Round 1: every split count with the start config's tile; round 2: block_n x num_warps x
     num_stages at the best split count and at double it; round 3: split counts again at the
     best tile. Short timings (replay_ms) rank; the caller re-times the top ones at full length.
-    Returns [(us, config)] sorted, failed configs left out.
+    ``device``: the properties the model's pick (also timed) is made for (None: the inputs'
+    device; an int: that device with this SM count). Returns [(us, config)] sorted, failed
+    configs left out.
     """
-    shape = spec.to_problem_shape()
+    shape = spec.to_problem_shape(sets[0].seq_lens.tolist())
+    props = _device_props(device, sets[0].q.device)
     timed: dict[KernelConfig, float] = {}
 
     def run(configs):
@@ -108,7 +118,7 @@ def own_best_search(spec: ShapeSpec, sets, start: KernelConfig, num_sms: int, re
                 print(f"#   {c}: failed: {type(exc).__name__}: {str(exc)[:100]}")
 
     split_set = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
-    h = heuristic_config(shape, num_sms)
+    h = heuristic_config(shape, props)
     run([start, h])
     run([dataclasses.replace(start, num_kv_splits=n) for n in split_set])
     best = min(timed, key=timed.get)
@@ -121,7 +131,16 @@ def own_best_search(spec: ShapeSpec, sets, start: KernelConfig, num_sms: int, re
     return sorted(((us, c) for c, us in timed.items()), key=lambda t: t[0])
 
 
-def run_heldout(args, dev, copy_gbs: float, num_sms: int) -> list[dict]:
+def _device_props(device: DeviceProperties | int | None, fallback: torch.device) -> DeviceProperties:
+    """Properties from a DeviceProperties, an SM count (the fallback device's, with that count) or
+    None (the fallback device's)."""
+    if isinstance(device, DeviceProperties):
+        return device
+    props = device_properties(fallback)
+    return props if device is None else dataclasses.replace(props, sm_count=int(device))
+
+
+def run_heldout(args, dev, copy_gbs: float, props: DeviceProperties) -> list[dict]:
     """Table-selected config vs each held-out shape's own best, timed in the same run.
 
     Returns one row per shape (kind "heldout") and one per config the search timed (kind
@@ -133,7 +152,7 @@ def run_heldout(args, dev, copy_gbs: float, num_sms: int) -> list[dict]:
             continue
         sets = make_inputs(spec, dev, copies=num_copies(spec), seed=2)
         selected = time_config(spec, sets, None)[1]
-        ranked = own_best_search(spec, sets, selected.kernel_config, num_sms)
+        ranked = own_best_search(spec, sets, selected.kernel_config, props)
         # Re-time the table's config and the search's top three at full length, two rounds in
         # turn; each config's better round counts (same treatment for all).
         finalists = [selected.kernel_config] + [c for _, c in ranked[:3] if c != selected.kernel_config]
@@ -167,9 +186,10 @@ def run_heldout(args, dev, copy_gbs: float, num_sms: int) -> list[dict]:
     return rows + search_rows
 
 
-def sweep_configs(spec: ShapeSpec, num_sms: int) -> list[KernelConfig]:
-    shape = spec.to_problem_shape()
-    h = heuristic_config(shape, num_sms)
+def sweep_configs(spec: ShapeSpec, props: DeviceProperties, seq_lens=None) -> list[KernelConfig]:
+    """The model's pick and its tile with block_n 32-128, 2 or 4 warps and 1-128 splits."""
+    shape = spec.to_problem_shape(seq_lens)
+    h = heuristic_config(shape, props)
     configs = {h}
     for block_n in (32, 64, 128):
         for splits in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128):
@@ -179,25 +199,52 @@ def sweep_configs(spec: ShapeSpec, num_sms: int) -> list[KernelConfig]:
     return sorted(configs, key=lambda c: (c.block_n, c.num_warps, c.num_kv_splits))
 
 
-def time_config(spec: ShapeSpec, sets, config: KernelConfig | None,
-                replay_ms: float = 80.0) -> tuple[float, tsdecode.SelectedConfig]:
+def time_config(spec: ShapeSpec, sets, config: KernelConfig | None, replay_ms: float = 80.0,
+                launch: dict | None = None) -> tuple[float, tsdecode.SelectedConfig]:
+    """Median time of one call (us) of ``config`` (None: the runtime's pick), one planned wrapper
+    per input set, ``run(validate=False)`` as a graph captures it (the first set's metadata
+    checked once with ``validate=True``), and the planned SelectedConfig. ``launch``: keyword
+    arguments of ``relaunch`` (another launcher or explicit launch arguments)."""
     wrappers = [plan_wrapper(spec, s, config) for s in sets]
-    calls = [lambda w=w, s=s: w.run(s.q, s.cache, out=s.out) for w, s in zip(wrappers, sets)]
+    if launch:
+        wrappers = [relaunch(w, **launch) for w in wrappers]
+    decode_call(wrappers[0], sets[0], validate=True)()
+    calls = [decode_call(w, s) for w, s in zip(wrappers, sets)]
     return graph_time_us(calls, replay_ms), wrappers[0].config
 
 
-def check_correct(spec: ShapeSpec, s, config) -> float:
-    """Relative error of the first two requests vs the float64 reference (fixed query shapes)."""
-    if spec.packed:
-        raise ValueError("check_correct takes fixed query shapes (seq_len_q tokens a request)")
+def relaunch(w: tsdecode.BatchDecodePagedTSWrapper, launch_type: type = DecodeLaunch,
+             **options) -> tsdecode.BatchDecodePagedTSWrapper:
+    """``w`` with its plan's launcher replaced by ``launch_type(..., **options)`` (e.g.
+    ``transposed=`` or ``pdl=``: explicit launch arguments for an A/B) over split partials of its
+    own, compiled as ``plan`` compiles it."""
+    plan = w._plan
+    config = plan.selected.kernel_config
+    if options.get("transposed") and not config.uses_dot:
+        raise ValueError(f"the transposed product form needs tl.dot (block_m >= 16), got {config}")
+    scratch = allocate_scratch(plan.shape, config, plan.query_capacity, plan.device)
+    launch = launch_type(plan.shape, config, plan.query_capacity, plan.device, scratch, **options)
+    if plan.device.type == "cuda":
+        with torch.cuda.device(plan.device):
+            launch.compile(plan.q_shape(plan.query_capacity))
+    w._plan = dataclasses.replace(plan, launch=launch)
+    return w
+
+
+def check_correct(spec: ShapeSpec, s, config, launch: dict | None = None) -> float:
+    """Relative error of the first two requests vs the float64 reference (``launch``: as in
+    ``time_config``)."""
     w = plan_wrapper(spec, s, config)
+    if launch:
+        w = relaunch(w, **launch)
     s.out.fill_(float("nan"))
-    w.run(s.q, s.cache, out=s.out)
+    decode_call(w, s, validate=True)()
     n = min(2, spec.batch_size)
-    ref = reference_decode(s.q[:n], s.cache, s.block_tables[:n], s.seq_lens[:n],
-                           seq_len_q=spec.seq_len_q, mask_type=spec.mask_type,
-                           window_left=spec.window_left)
-    return relative_error(s.out[:n], ref)
+    stop = int(s.qo_indptr[n]) if s.qo_indptr is not None else n  # output rows of those requests
+    ref = reference_decode(s.q[:stop], s.cache, s.block_tables[:n], s.seq_lens[:n],
+                           seq_len_q=spec.seq_len_q, mask_type=spec.mask_type, window_left=spec.window_left,
+                           qo_indptr=None if s.qo_indptr is None else s.qo_indptr[:n + 1])
+    return relative_error(s.out[:stop], ref)
 
 
 def main(argv=None) -> int:
@@ -211,23 +258,20 @@ def main(argv=None) -> int:
         print("bench_decode needs a CUDA GPU (timings in the interpreter mean nothing)", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
-    num_sms = device_num_sms(dev)
+    props = device_properties(dev)
     import triton
 
     copy_gbs = copy_bandwidth_gbs(dev)
     src = torch.empty(2**29, dtype=torch.float32, device=dev).uniform_()
     dst = torch.empty_like(src)
-    graph_copy_gbs = 2 * src.numel() * 4 / (graph_time_us([lambda: dst.copy_(src)]) * 1e-6) / 1e9
+    graph_copy_gbs = 2 * src.numel() * 4 / (graph_time_us([lambda d=dst, s=src: d.copy_(s)]) * 1e-6) / 1e9
     del src, dst
-    from tsdecode.kernels.decode import pdl_enabled
-
-    print(f"# {props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
-          f"PDL {'on' if pdl_enabled(dev) else 'off'}")
+    print(f"# {props.name}, {props.sm_count} SMs, torch {torch.__version__}, triton {triton.__version__}, "
+          f"PDL {'on' if pdl_supported(dev) else 'off'}")
     print(f"# copy bandwidth (read+write) measured in this run: {copy_gbs:.0f} GB/s "
           f"(eager; the same copy captured in a CUDA graph: {graph_copy_gbs:.0f} GB/s)")
     if args.suite == "heldout":
-        rows = run_heldout(args, dev, copy_gbs, num_sms)
+        rows = run_heldout(args, dev, copy_gbs, props)
         write_csv(args.csv, rows)
         return 0
     if args.suite == "llama":
@@ -250,7 +294,7 @@ def main(argv=None) -> int:
         pct = 100 * gbs / copy_gbs
         best = (us, selected.kernel_config)
         if args.sweep and t.regime != "geometry base":
-            for cfg in sweep_configs(spec, num_sms):
+            for cfg in sweep_configs(spec, props, sets[0].seq_lens.tolist()):
                 try:
                     us_c, _ = time_config(spec, sets, cfg, replay_ms=20.0)
                 except Exception as exc:  # a config that fails to compile/launch is reported, not fatal

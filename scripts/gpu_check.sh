@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# One GPU call: install carried wheels, run the GPU tests, then benchmarks (and optionally tuning
-# and a report). Usage: scripts/gpu_check.sh [STEP ...]   steps: tests bench nopdl sweep sweepsel
-# fp8bf16 targets heldout ncu occupancy host tune report.
-# Default: tests bench. TUNE_ARGS / REPORT_ARGS override the tune / report grids and budgets
-# (TUNE_TAG suffixes the tune log's name; TUNE_OUT is the tune's table folder, default $OUT/tuned:
-# tuned_configs merges into the shipped table there, so later steps of the same call use it);
-# BENCH_ONLY limits the targets step to shapes whose name contains one of its comma-separated
-# texts (the heldout step too); SWEEP_ONLY picks the target shapes the sweepsel step sweeps;
-# NCU_SHAPES the kv_dtype:B:L shapes the ncu step profiles (Nsight Compute, split pass only),
-# NCU_CONFIG an explicit config for them (block_n/splits/warps/stages, e.g. 16/1/1/5); OCC_ARGS the
-# occupancy step's arguments (scripts/occupancy.py: e.g. "--head-dims 64,128 --jobs 12").
-# Logs and CSVs go to $OUT (the device tool's output folder) or ./gpu_out.
+# One GPU call: install carried wheels, then run the named steps in order; logs and CSVs go to
+# $OUT (the device tool's output folder) or ./gpu_out. Usage: scripts/gpu_check.sh [STEP ...]
+# (default: tests bench). Steps and the variables they read:
+#   tests       the test suite (GPU tests included; 8 workers where pytest-xdist is installed)
+#   bench       bench_decode.py --suite llama
+#   sweep       the llama suite with a config sweep per shape
+#   sweepsel    the targets suite's SWEEP_ONLY shapes (default B8_L8192_H32) with a sweep
+#   targets     bench_decode.py --suite targets (BENCH_ONLY: comma-separated name filter)
+#   heldout     bench_decode.py --suite heldout (BENCH_ONLY too)
+#   pdl         ab_configs.py: each PDL_SHAPES shape's pick with and without programmatic
+#               dependent launch (default: B=1, L 1k/8k/32k, llama3-8b heads)
+#   ncu         Nsight Compute on the split pass of NCU_SHAPES (kv_dtype:B:L, default fp8 and
+#               bf16 at B=128 L=8192), NCU_CONFIG an explicit config (block_n/splits/warps/stages)
+#   occupancy   occupancy.py with OCC_ARGS (e.g. "--head-dims 64,128 --jobs 12")
+#   host        host_overhead.py (HOST_ARGS; with AB_OTHER, that tree's rows beside this one's)
+#   ab          ab_trees.py --other "$AB_OTHER" $AB_ARGS: this tree against another source tree
+#               (a path on the device machine, e.g. an ignored folder carried with the call)
+#   transformers  bench_transformers.py (TRANSFORMERS_ARGS)
+#   loop        examples/decode_loop.py (LOOP_ARGS)
+#   tune        tsdecode-tune with TUNE_ARGS (default --preset llama3-8b) into TUNE_OUT (default
+#               $OUT/tuned; TUNE_TAG suffixes its log's name); later steps of the call use the
+#               user cache folder's table, not this one, unless TSDECODE_CONFIG_DIR points here
+#   report      tsdecode-tune report with REPORT_ARGS (default --preset llama3-8b)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_out}
@@ -28,23 +39,27 @@ for step in $steps; do
   case $step in
     tests)   workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
              python3 -m pytest tests -q -x $workers -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25; rc=$((rc | ${PIPESTATUS[0]})) ;;
-    bench)   python3 scripts/bench_decode.py --suite llama --csv "$OUT/bench_llama.csv" 2>&1 | tee "$OUT/bench_llama.log" ;;
-    nopdl)   TSDECODE_DISABLE_PDL=1 python3 scripts/bench_decode.py --suite llama --only B1_ 2>&1 | tee "$OUT/bench_nopdl.log" ;;
-    sweep)   python3 scripts/bench_decode.py --suite llama --sweep --csv "$OUT/sweep_llama.csv" > "$OUT/sweep_llama.log" 2>&1; grep -v "^#   " "$OUT/sweep_llama.log" ;;
-    sweepsel) python3 scripts/bench_decode.py --suite targets --sweep --only "${SWEEP_ONLY:-B8_L8192_H32}" --csv "$OUT/sweepsel.csv" > "$OUT/sweepsel.log" 2>&1; grep -v "^#   " "$OUT/sweepsel.log" ;;
-    fp8bf16) TSDECODE_FP8_COMPUTE=bfloat16 python3 scripts/bench_decode.py --suite targets --only float8 2>&1 | tee "$OUT/targets_fp8_bf16.log" ;;
-    targets) python3 scripts/bench_decode.py --suite targets ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/targets.csv" 2>&1 | tee "$OUT/targets.log" ;;
+    bench)   python3 scripts/bench_decode.py --suite llama --csv "$OUT/bench_llama.csv" 2>&1 | tee "$OUT/bench_llama.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    sweep)   python3 scripts/bench_decode.py --suite llama --sweep --csv "$OUT/sweep_llama.csv" > "$OUT/sweep_llama.log" 2>&1 || rc=1; grep -v "^#   " "$OUT/sweep_llama.log" ;;
+    sweepsel) python3 scripts/bench_decode.py --suite targets --sweep --only "${SWEEP_ONLY:-B8_L8192_H32}" --csv "$OUT/sweepsel.csv" > "$OUT/sweepsel.log" 2>&1 || rc=1; grep -v "^#   " "$OUT/sweepsel.log" ;;
+    targets) python3 scripts/bench_decode.py --suite targets ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/targets.csv" 2>&1 | tee "$OUT/targets.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    heldout) python3 scripts/bench_decode.py --suite heldout ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/heldout.csv" 2>&1 | tee "$OUT/heldout.log" | grep -v "^#   "; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    pdl)     python3 scripts/ab_configs.py --shapes "${PDL_SHAPES:-1:1024:32:8,1:8192:32:8,1:32768:32:8}" --configs heur,heur:p 2>&1 | tee "$OUT/ab_pdl.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     ncu)     for a in ${NCU_SHAPES:-float8_e4m3fn:128:8192 bfloat16:128:8192}; do
                ncu --clock-control none -k regex:_split_kv_kernel --launch-skip 1 --launch-count 1 \
                  --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
                  --section WarpStateStats --section SchedulerStats --section InstructionStats --section Occupancy \
                  python3 scripts/ncu_probe.py --kv-dtype "${a%%:*}" ${NCU_CONFIG:+--config "$NCU_CONFIG"} "${a#*:}" 2>&1 | tee -a "$OUT/ncu.log" | grep -v "^==PROF==" | tail -150
              done ;;
-    occupancy) python3 scripts/occupancy.py ${OCC_ARGS:-} --csv "$OUT/occupancy.csv" 2>&1 | tee "$OUT/occupancy.log" | tail -5 ;;
-    host)    python3 scripts/host_overhead.py 2>&1 | tee "$OUT/host_overhead.txt" ;;
-    heldout) python3 scripts/bench_decode.py --suite heldout ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/heldout.csv" 2>&1 | tee "$OUT/heldout.log" | grep -v "^#   " ;;
-    tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "${TUNE_OUT:-$OUT/tuned}" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -40 ;;
-    report)  python3 -m tuner report ${REPORT_ARGS:---preset llama3-8b} --out "$OUT/report" 2>&1 | tee "$OUT/report.log" | tail -30 ;;
+    occupancy) python3 scripts/occupancy.py ${OCC_ARGS:-} --csv "$OUT/occupancy.csv" 2>&1 | tee "$OUT/occupancy.log" | tail -5; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    host)    python3 scripts/host_overhead.py ${AB_OTHER:+--other "$AB_OTHER"} ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_overhead.txt"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    ab)      if [ -z "${AB_OTHER:-}" ]; then echo "the ab step needs AB_OTHER: the root of the other source tree"; rc=2
+             else python3 scripts/ab_trees.py --other "$AB_OTHER" ${AB_ARGS:-} --csv "$OUT/ab_trees.csv" 2>&1 \
+                    | tee "$OUT/ab_trees.log"; rc=$((rc | ${PIPESTATUS[0]})); fi ;;
+    transformers) python3 scripts/bench_transformers.py --csv "$OUT/transformers.csv" ${TRANSFORMERS_ARGS:-} 2>&1 | tee "$OUT/transformers.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    loop)    python3 examples/decode_loop.py ${LOOP_ARGS:-} 2>&1 | tee "$OUT/decode_loop.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "${TUNE_OUT:-$OUT/tuned}" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -40; rc=$((rc | ${PIPESTATUS[0]})) ;;
+    report)  python3 -m tuner report ${REPORT_ARGS:---preset llama3-8b} --out "$OUT/report" 2>&1 | tee "$OUT/report.log" | tail -30; rc=$((rc | ${PIPESTATUS[0]})) ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done

@@ -1,45 +1,44 @@
-"""Host (CPU) time of one eager call: where ``run`` spends it, against torch and bare triton.
+"""Host (CPU) time of eager plan / run / one-shot calls, against torch.add and an empty triton kernel.
 
 Eager callers (no CUDA graph) pay this on every layer of every decode step; under a graph it is
 gone. Each row times N back-to-back calls with ``time.perf_counter`` and synchronises only after
-the loop, so with a tiny problem (GPU time per call below the host's) and N launches below the
-driver's queue depth the loop's time is the host's. Median and minimum over repeats, us per call.
+the loop, so with a tiny problem (B=1, Hq 32, Hkv 8, D 128, P 16, L 64: GPU time per call below
+the host's) and N launches below the driver's queue depth the loop's time is the host's. The rows
+of a group are timed in interleaved rounds (each round times every row once); median and minimum
+over the rounds, us per call.
 
-Rows:
-  torch.add(out=)            a small torch op (reference for "one launch from Python")
-  triton empty kernel        a one-argument @triton.jit kernel launched as kernel[grid](x)
-  GPU time a call            the same call's GPU time (20 calls in one CUDA graph, replayed):
-                             the host rows below are the host's only while they exceed it
-  run (splits S)             BatchDecodePagedTSWrapper.run(q, cache, out=out), the public call
-  run, out=None              the same, allocating the output
-  run, torch.compile         run(q, cache, out=out) inside torch.compile(fullgraph=True) (inductor,
-                             default mode): the compiled graph's call of torch.ops.tsdecode.run_planned
-  run_planned op, eager      that op called directly (the dispatcher's cost on top of run)
-  run, validation only       the same with the plan's launches replaced by nothing
-  plan's DecodeLaunch        the plan's launcher alone (both kernels when S > 1): compiled kernels
-                             launched directly after the first call
-  launch_decode              the same launches through triton's dispatch (kernel[grid](...)) on
-                             every call, as ``run`` launched before the plan kept a launcher
-  plan                       BatchDecodePagedTSWrapper.plan(...) again for the same shape (fixed
-                             lengths: one host read, so this row includes a synchronisation)
-  plan, no warm-up           the same with the compile step (``_warm_up``) skipped
-  plan, new lengths          plan(...) cycling through four lengths tensors (longest 64, 50, 33,
-                             17): a new max_kv_len every call, as at every decode step
-  plan, not shared           plan(...) with the kernels plans share forgotten before each call
-                             (``clear_compiled_cache``): the warm-up goes through triton's warmup
-  plan's compile step        DecodeLaunch.compile alone (plan's last step, no device work), with
-                             the kernels plans share ("shared") or forgotten first ("warmup")
-  one-shot op                batch_decode_with_paged_kv_cache(q, cache, ..., out=out)
-  metadata read, kernel      plan's read of the lengths and page-ID range (api._plan_host_values:
-                             one triton kernel, launched directly, and the device-to-host copy) at
-                             B=1 L=64, B=32 L=8k and B=256 L=4k (P=16, fixed lengths)
-  metadata read, torch ops   the same read as the tree before the kernel did it (8 device
-                             operations, ``_torch_ops_metadata`` below), in the same call
+Rows (S = splits of the explicit config block_n 16, block_m 16, 1 warp, 3 stages):
+  torch.add(out=)                 a small torch op (one launch from Python)
+  triton empty kernel             a one-argument @triton.jit kernel launched as kernel[grid](x)
+  GPU time a call                 the run's GPU time (20 calls in one CUDA graph): the host rows
+                                  are the host's only while they exceed it
+  run(validate=False, out=)       the plan owns the lengths: the call a CUDA graph captures
+  run(validate=False, out=), run-owned lengths   the lengths tensor passed to every run
+  run(validate=True, out=)        the same call checking the metadata (one small kernel and a
+                                  device-to-host copy)
+  run(validate=False), out=None   allocating the output
+  ..., checks only                the same calls with the plan's launcher swapped for a no-op
+  run, torch.compile              run(validate=False, out=) inside torch.compile(fullgraph=True)
+  run_planned op, eager           the custom op torch.compile calls, called directly
+  plan's DecodeLaunch             the launcher alone (compiled kernels launched directly)
+  DecodeLaunch, triton dispatch   the same launches through kernel[grid](...) on every call
+  plan / plan, run-owned lengths  plan(...) again for the same shape
+  plan, new lengths               plan(...) cycling through four length lists (a new spread
+                                  and max each call, as at every decode step)
+  plan, not shared                plan(...) with the kernels plans share forgotten first
+  plan's compile step, shared / warmup   DecodeLaunch.compile alone, kernels shared or forgotten
+  one-shot / one-shot, capturable   batch_decode_with_paged_kv_cache(..., out=) reading the
+                                  lengths on the host / with workspace_buffer, max_kv_len and
+                                  validate=False (reads nothing on the host)
+  metadata read                   kernels.metadata.read_metadata (what validate=True adds) at
+                                  three batch sizes
 
-Rows that need the plan's launcher are left out when the script runs against an older tree
-(copy it into that tree's scripts/ folder and run it from there).
+--other PATH loads another source tree's tsdecode as a package of its own (``ab_trees.py``'s
+``load_other_tree``; the old call form ``plan(block_tables, seq_lens_kv, ...)`` / ``run(q,
+cache, out=)`` or the FlashInfer one) and times its run, plan and one-shot rows in the same
+rounds, printed beside this tree's; its run is set against this tree's run(validate=False, out=).
 
-Usage: python scripts/host_overhead.py [--calls 300] [--repeats 9]
+Usage: python scripts/host_overhead.py [--calls 300] [--repeats 9] [--other /path/to/tree]
 """
 
 from __future__ import annotations
@@ -52,14 +51,22 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # before triton is imported: the kernels run in its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import triton  # noqa: E402
 
 import tsdecode  # noqa: E402
-from tsdecode import api as api_module  # noqa: E402
-from tuner.measure import graph_time_us  # noqa: E402
-from tsdecode.kernels import decode as decode_module  # noqa: E402
+from tsdecode.kernels.launch import DecodeLaunch, allocate_scratch, clear_compiled_cache  # noqa: E402
+from tsdecode.kernels.metadata import read_metadata  # noqa: E402
+from tuner.grids import ShapeSpec  # noqa: E402
+from tuner.measure import graph_time_us, make_inputs  # noqa: E402
+
+SPEC = ShapeSpec(batch_size=1, kv_len=64, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
 
 
 @triton.jit
@@ -67,181 +74,232 @@ def _empty_kernel(x_ptr):
     pass
 
 
-def _host_us(fn, calls: int, repeats: int) -> tuple[float, float]:
-    """(median, min) host time per call (us) of ``fn`` over ``repeats`` loops of ``calls`` calls
-    (the minimum is the call's own cost with the least of the machine's noise)."""
-    fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
+def _config(module, splits: int):
+    return module.KernelConfig(block_n=16, block_m=16, num_kv_splits=splits, num_warps=1, num_stages=3)
+
+
+class Timer:
+    """Host time per call of named rows, timed in interleaved rounds."""
+
+    def __init__(self, device: torch.device, repeats: int) -> None:
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.repeats = repeats
+
+    def rounds(self, rows: list[tuple[str, object, int]]) -> dict[str, tuple[float, float]]:
+        """{name: (median, min)} us per call of each (name, fn, calls) row."""
+        for _, fn, _ in rows:
             fn()
-        per_call.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(per_call), min(per_call)
+        self.sync()
+        per_call: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+        for _ in range(self.repeats):
+            for name, fn, calls in rows:
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                per_call[name].append((time.perf_counter() - start) / calls * 1e6)
+                self.sync()
+        return {name: (statistics.median(t), min(t)) for name, t in per_call.items()}
 
 
-def _plan_args(num_kv_splits: int):
-    dev = torch.device("cuda")
-    batch, hq, hkv, d, p, kv_len = 1, 32, 8, 128, 16, 64
-    pages = batch * kv_len // p
-    block_tables = torch.arange(pages, device=dev, dtype=torch.int32).reshape(batch, -1)
-    seq_lens = torch.full((batch,), kv_len, device=dev, dtype=torch.int32)
-    config = tsdecode.KernelConfig(block_n=16, block_m=16, num_kv_splits=num_kv_splits, num_warps=1,
-                                   num_stages=3)
-    return (block_tables, seq_lens, hq, hkv, d, p), dict(q_data_type=torch.bfloat16, config=config)
+def this_tree_rows(s, splits: int, dev, n: int, plan_n: int, compiled: bool) -> tuple[list, dict]:
+    """This tree's rows for one split count, and the calls the other tree's rows pair with."""
+    B, hq, hkv, d, p, L = (SPEC.batch_size, SPEC.num_qo_heads, SPEC.num_kv_heads, SPEC.head_dim,
+                           SPEC.page_size, SPEC.kv_len)
+    cfg = _config(tsdecode, splits)
+    lens = s.seq_lens.tolist()
+    q, cache, bt, seq_lens, out = s.q, s.cache, s.block_tables, s.seq_lens, s.out
+    plan_kw = dict(q_data_type=q.dtype, config=cfg)
+
+    # The run rows' wrappers are planned once; the plan rows re-plan wrappers of their own.
+    w, w_lens, w_plan = (tsdecode.BatchDecodePagedTSWrapper() for _ in range(3))
+    w.plan(dev, B, hq, hkv, d, p, L, seq_lens=lens, **plan_kw)
+    w_lens.plan(dev, B, hq, hkv, d, p, L, **plan_kw)
+
+    def plan_owned():
+        w_plan.plan(dev, B, hq, hkv, d, p, L, seq_lens=lens, **plan_kw)
+
+    def plan_run_owned():
+        w_plan.plan(dev, B, hq, hkv, d, p, L, **plan_kw)
+    run = lambda: w.run(q, cache, None, bt, out=out, validate=False)  # noqa: E731
+    run_checked = lambda: w.run(q, cache, None, bt, out=out, validate=True)  # noqa: E731
+    rows = [
+        (f"run(validate=False, out=) (S={splits})", run, n),
+        (f"run(validate=False, out=), run-owned lengths (S={splits})",
+         lambda: w_lens.run(q, cache, seq_lens, bt, out=out, validate=False), n),
+        (f"run(validate=True, out=) (S={splits})", run_checked, n),
+        (f"run(validate=False), out=None (S={splits})", lambda: w.run(q, cache, None, bt, validate=False), n),
+    ]
+    # The same calls with the launcher swapped for a no-op: what the checks alone cost.
+    unlaunched = tsdecode.BatchDecodePagedTSWrapper()
+    unlaunched.plan(dev, B, hq, hkv, d, p, L, seq_lens=lens, **plan_kw)
+    unlaunched._plan = dataclasses.replace(unlaunched._plan, launch=lambda *args: None)
+    rows += [(f"run(validate=False, out=), checks only (S={splits})",
+              lambda: unlaunched.run(q, cache, None, bt, out=out, validate=False), n),
+             (f"run(validate=True, out=), checks only (S={splits})",
+              lambda: unlaunched.run(q, cache, None, bt, out=out, validate=True), n)]
+    if compiled:
+        fn = torch.compile(lambda q_, c_, o_: w.run(q_, c_, None, bt, out=o_, validate=False), fullgraph=True)
+        fn(q, cache, out)
+        ref = run_checked().clone()
+        out.fill_(float("nan"))
+        fn(q, cache, out)
+        assert torch.equal(ref, out), "compiled and eager run disagree"
+        rows.append((f"run, torch.compile (S={splits})", lambda: fn(q, cache, out), n))
+        rows.append((f"run_planned op, eager (S={splits})", lambda: torch.ops.tsdecode.run_planned(
+            w._handle, q, cache, None, w._plan.seq_lens, bt, None, out, None, 1.0, False), n))
+    plan = w._plan
+    scale = d ** -0.5
+    rows.append((f"plan's DecodeLaunch (S={splits})",
+                 lambda: plan.launch(q, cache, out, bt, plan.seq_lens, None, scale, 1.0), n))
+    # A launcher of the same plan that never keeps compiled kernels: triton's dispatch every call.
+    dispatch = DecodeLaunch(plan.shape, plan.selected.kernel_config, plan.query_capacity, plan.device,
+                            allocate_scratch(plan.shape, plan.selected.kernel_config, plan.query_capacity,
+                                             plan.device))
+    if hasattr(dispatch, "_direct_broken"):
+        dispatch._direct_broken = True
+        ref = run_checked().clone()
+        out.fill_(float("nan"))
+        dispatch(q, cache, out, bt, plan.seq_lens, None, scale, 1.0)
+        assert torch.equal(ref, out), "triton's dispatch and run disagree"
+        rows.append((f"DecodeLaunch, triton dispatch (S={splits})",
+                     lambda: dispatch(q, cache, out, bt, plan.seq_lens, None, scale, 1.0), n))
+    cycle = [[n_] for n_ in (64, 50, 33, 17)]
+
+    def plan_new_lengths():
+        cycle.append(cycle.pop(0))
+        w_plan.plan(dev, B, hq, hkv, d, p, L, seq_lens=cycle[0], **plan_kw)
+
+    def plan_not_shared():
+        clear_compiled_cache()
+        plan_owned()
+
+    q_shape = plan.q_shape(plan.query_capacity)
+
+    def compile_warmup():
+        clear_compiled_cache()
+        plan.launch.compile(q_shape)
+
+    rows += [(f"plan (S={splits})", plan_owned, plan_n),
+             (f"plan, run-owned lengths (S={splits})", plan_run_owned, plan_n),
+             (f"plan, new lengths (S={splits})", plan_new_lengths, plan_n)]
+    if dev.type == "cuda":  # the compile step does nothing in the interpreter
+        rows += [(f"plan, not shared (S={splits})", plan_not_shared, plan_n),
+                 (f"plan's compile step, shared (S={splits})", lambda: plan.launch.compile(q_shape), plan_n),
+                 (f"plan's compile step, warmup (S={splits})", compile_warmup, plan_n)]
+    pairs = {"run": rows[0][0], "run_checked": rows[2][0], "plan": f"plan (S={splits})"}
+    return rows, pairs
 
 
-def _planned(num_kv_splits: int):
-    plan_args, plan_kw = _plan_args(num_kv_splits)
-    block_tables, _, hq, hkv, d, p = plan_args
-    cache = torch.randn(block_tables.numel(), 2, hkv, p, d, device="cuda", dtype=torch.bfloat16)
-    q = torch.randn(block_tables.shape[0], hq, d, device="cuda", dtype=torch.bfloat16)
-    w = tsdecode.BatchDecodePagedTSWrapper()
-    w.plan(*plan_args, **plan_kw)
-    return w, q, cache, torch.empty_like(q)
+def oneshot_rows(s, dev, plan_n: int) -> list:
+    q, cache, bt, seq_lens, out = s.q, s.cache, s.block_tables, s.seq_lens, s.out
+    size = tsdecode.get_prims_ts_batch_decode_workspace_size(
+        SPEC.batch_size, SPEC.num_qo_heads, SPEC.num_kv_heads, SPEC.head_dim, SPEC.page_size, SPEC.kv_len,
+        q_dtype=q.dtype, device=dev)
+    workspace = torch.empty(max(size, 256), dtype=torch.uint8, device=dev)
+    return [("one-shot", lambda: tsdecode.batch_decode_with_paged_kv_cache(q, cache, bt, seq_lens, out=out), plan_n),
+            ("one-shot, capturable", lambda: tsdecode.batch_decode_with_paged_kv_cache(
+                q, cache, bt, seq_lens, out=out, workspace_buffer=workspace, max_kv_len=SPEC.kv_len,
+                validate=False), plan_n)]
 
 
-def _torch_ops_metadata(block_tables, seq_lens, qo_indptr, page_size, max_kv_len, bind_seq_lens):
-    """The plan's metadata read as torch operations (the tree before plan_metadata.py), timed
-    beside the kernel."""
-    cols = block_tables.shape[1]
-    if bind_seq_lens:
-        if max_kv_len is None:
-            pages = (seq_lens.max() + (page_size - 1)) // page_size
-        else:
-            pages = -(-min(max_kv_len, cols * page_size) // page_size)
-        live = torch.arange(cols, device=block_tables.device) < pages
-    else:
-        pages_per_row = (seq_lens + (page_size - 1)) // page_size
-        live = torch.arange(cols, device=block_tables.device)[None, :] < pages_per_row[:, None]
-    lo, hi = torch.aminmax(torch.where(live, block_tables, block_tables[:, :1]))
-    parts = [seq_lens, lo.reshape(1), hi.reshape(1)]
-    if qo_indptr is not None:
-        parts.append(qo_indptr)
-    host = torch.cat(parts).tolist()
-    batch = seq_lens.shape[0]
-    return host[:batch], host[batch + 2:] if qo_indptr is not None else None, host[batch], host[batch + 1]
+def other_tree_rows(module, s, splits: int, dev, n: int, plan_n: int) -> dict[str, tuple[str, object, int]]:
+    """The other tree's run, plan and one-shot rows in its own call form, keyed by the row of this
+    tree they pair with ("run", "run_checked", "plan", "one-shot")."""
+    B, hq, hkv, d, p, L = (SPEC.batch_size, SPEC.num_qo_heads, SPEC.num_kv_heads, SPEC.head_dim,
+                           SPEC.page_size, SPEC.kv_len)
+    q, cache, bt, seq_lens, out = s.q, s.cache, s.block_tables, s.seq_lens, s.out
+    plan_kw = dict(q_data_type=q.dtype, config=_config(module, splits))
+    w, w_plan = module.BatchDecodePagedTSWrapper(), module.BatchDecodePagedTSWrapper()
+    rows = {}
+    if "device" in module.BatchDecodePagedTSWrapper.plan.__code__.co_varnames[:2]:  # FlashInfer form
+        def plan(wrapper=w_plan):
+            wrapper.plan(dev, B, hq, hkv, d, p, L, seq_lens=s.seq_lens.tolist(), **plan_kw)
+        plan(w)
+        rows["run"] = ("run(validate=False, out=)", lambda: w.run(q, cache, None, bt, out=out, validate=False), n)
+        rows["run_checked"] = ("run(validate=True, out=)",
+                               lambda: w.run(q, cache, None, bt, out=out, validate=True), n)
+    else:  # the call form before: metadata bound at plan
+        def plan(wrapper=w_plan):
+            wrapper.plan(bt, seq_lens, hq, hkv, d, p, **plan_kw)
+        plan(w)
+        rows["run"] = ("run(q, cache, out=)", lambda: w.run(q, cache, out=out), n)
+    rows["plan"] = ("plan", plan, plan_n)
+    if splits == 1:
+        rows["one-shot"] = ("one-shot", lambda: module.batch_decode_with_paged_kv_cache(
+            q, cache, bt, seq_lens, out=out), plan_n)
+    return {key: (f"{name} (S={splits})", fn, calls) for key, (name, fn, calls) in rows.items()}
 
 
-def _metadata_rows(n: int, r: int) -> list:
-    """Host time of the plan's metadata read, kernel vs torch ops, interleaved per shape."""
-    read = getattr(api_module, "_plan_host_values", None)
-    if read is None:
-        return []
+def metadata_rows(dev, calls: int) -> list:
     rows = []
     for batch, kv_len in ((1, 64), (32, 8192), (256, 4096)):
         pages = kv_len // 16
-        perm = torch.randperm(batch * pages, device="cuda").to(torch.int32)
-        block_tables = perm.reshape(batch, pages)
-        seq_lens = torch.full((batch,), kv_len, device="cuda", dtype=torch.int32)
-        args = (block_tables, seq_lens, None, 16, None, False)
-        assert read(*args) == _torch_ops_metadata(*args), "kernel and torch ops disagree"
-        for name, fn in (("kernel", read), ("torch ops", _torch_ops_metadata)):
-            rows.append((f"metadata read, {name} (B={batch} L={kv_len})",
-                         _host_us(lambda fn=fn: fn(*args), max(20, n // 10), r)))
+        block_tables = torch.randperm(batch * pages, device=dev).to(torch.int32).reshape(batch, pages)
+        seq_lens = torch.full((batch,), kv_len, device=dev, dtype=torch.int32)
+        rows.append((f"metadata read (B={batch} L={kv_len})",
+                     lambda bt=block_tables, sl=seq_lens: read_metadata(bt, sl, None, 16), calls))
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--repeats", type=int, default=9)
-    args = ap.parse_args()
+    ap.add_argument("--calls", type=int, default=300, help="calls a loop (plans: a tenth, at least 20)")
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds")
+    ap.add_argument("--other", default=None, metavar="PATH", help="root of another source tree of tsdecode")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cuda (default where there is one) or cpu (the interpreter: a smoke run, times mean nothing)")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    other = None
+    if args.other:
+        from ab_trees import load_other_tree
+
+        other = load_other_tree(args.other)
     n, r = args.calls, args.repeats
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"python {sys.version.split()[0]}; {n} calls x {r} repeats, host us per call: median (min)")
-    a = torch.randn(4096, device="cuda")
-    b = torch.randn_like(a)
-    c = torch.empty_like(a)
-    rows = [("torch.add(out=)", _host_us(lambda: torch.add(a, b, out=c), n, r)),
-            ("triton empty kernel", _host_us(lambda: _empty_kernel[(1,)](a), n, r))]
+    plan_n = max(20, n // 10) if dev.type == "cuda" else max(1, n // 10)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter: times mean nothing)"
+    print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}, python "
+          f"{sys.version.split()[0]}; {n} calls x {r} rounds, host us per call: median (min)"
+          + (f"; other tree: {args.other}" if other else ""))
+    timer = Timer(dev, r)
+    s = make_inputs(SPEC, dev, copies=1, seed=1)[0]
+    a = torch.randn(4096, device=dev)
+    b, c = torch.randn_like(a), torch.empty_like(a)
+    results: list[tuple[str, tuple[float, float] | None, tuple[str, tuple[float, float]] | None]] = []
+    base = timer.rounds([("torch.add(out=)", lambda: torch.add(a, b, out=c), n),
+                         ("triton empty kernel", lambda: _empty_kernel[(1,)](a), n)])
+    results += [(k, v, None) for k, v in base.items()]
+    verdicts = []
     for splits in (1, 4):
-        w, q, cache, out = _planned(splits)
-        plan = w._plan
-        gpu_us = graph_time_us([lambda: w.run(q, cache, out=out)] * 20, replay_ms=30)
-        rows.append((f"GPU time a call, graph of 20 (splits {splits})", (gpu_us, None)))
-        rows.append((f"run (splits {splits})", _host_us(lambda: w.run(q, cache, out=out), n, r)))
-        rows.append((f"run, out=None (splits {splits})", _host_us(lambda: w.run(q, cache), n, r)))
-        if hasattr(w, "_handle"):  # trees with the torch.compile ops
-            compiled = torch.compile(lambda q_, c_, o_: w.run(q_, c_, out=o_), fullgraph=True)
-            compiled(q, cache, out)
-            ref = w.run(q, cache).clone()
-            out.fill_(float("nan"))
-            compiled(q, cache, out)
-            torch.cuda.synchronize()
-            assert torch.equal(ref, out), "compiled and eager run disagree"
-            rows.append((f"run, torch.compile (splits {splits})", _host_us(lambda: compiled(q, cache, out), n, r)))
-            rows.append((f"run_planned op, eager (splits {splits})", _host_us(
-                lambda: torch.ops.tsdecode.run_planned(w._handle, q, cache, None, w._plan.block_tables,
-                                                       w._plan.seq_lens, out, None, 1.0), n, r)))
-        plan_args, plan_kw = _plan_args(splits)
-        plan_calls = max(20, n // 10)
-        rows.append((f"plan (splits {splits})", _host_us(lambda: w.plan(*plan_args, **plan_kw), plan_calls, r)))
-        lens_cycle = [torch.full_like(plan_args[1], n) for n in (64, 50, 33, 17)]
-
-        def plan_new_lengths():
-            lens_cycle.append(lens_cycle.pop(0))
-            w.plan(plan_args[0], lens_cycle[0], *plan_args[2:], **plan_kw)
-
-        rows.append((f"plan, new lengths (splits {splits})", _host_us(plan_new_lengths, plan_calls, r)))
-        clear = getattr(decode_module, "clear_compiled_cache", lambda: None)  # older trees: none
-
-        def plan_not_shared():
-            clear()
-            w.plan(*plan_args, **plan_kw)
-
-        rows.append((f"plan, not shared (splits {splits})", _host_us(plan_not_shared, plan_calls, r)))
-        if splits == 1:  # the one-shot op picks its config itself; one row is enough
-            rows.append(("one-shot op", _host_us(
-                lambda: tsdecode.batch_decode_with_paged_kv_cache(q, cache, plan_args[0], plan_args[1], out=out),
-                plan_calls, r)))
-        real_warm_up = api_module._warm_up
-        api_module._warm_up = lambda plan_: None
-        try:
-            rows.append((f"plan, no warm-up (splits {splits})",
-                         _host_us(lambda: w.plan(*plan_args, **plan_kw), plan_calls, r)))
-        finally:
-            api_module._warm_up = real_warm_up
-        w.plan(*plan_args, **plan_kw)
-        plan = w._plan
-        if not hasattr(plan, "launch"):  # an older tree: only the public rows
-            continue
-        w._plan = dataclasses.replace(plan, launch=lambda *a_: None)
-        rows.append((f"run, validation only (splits {splits})", _host_us(lambda: w.run(q, cache, out=out), n, r)))
-        w._plan = plan
-        k, v = cache[:, 0], cache[:, 1]
-        g, cfg = plan.geometry, plan.selected.kernel_config
-        scale = g.head_dim ** -0.5
-        rows.append((f"plan's DecodeLaunch (splits {splits})",
-                     _host_us(lambda: plan.launch(q, cache, out, scale, 1.0), n, r)))
-
-        compile_args = (plan.q_shape, plan.q_dtype, plan.kv_dtype, plan.o_dtype)
-        rows.append((f"plan's compile step, shared (splits {splits})",
-                     _host_us(lambda: plan.launch.compile(*compile_args), n, r)))
-
-        def compile_through_warmup():
-            clear()
-            plan.launch.compile(*compile_args)
-
-        rows.append((f"plan's compile step, warmup (splits {splits})", _host_us(compile_through_warmup, n, r)))
-
-        def launch():
-            decode_module.launch_decode(q, k, v, plan.block_tables, plan.seq_lens, plan.qo_indptr, out,
-                                        plan.scratch, g, cfg, scale, 1.0)
-
-        rows.append((f"launch_decode (splits {splits})", _host_us(launch, n, r)))
-        ref = w.run(q, cache).clone()
-        out.fill_(float("nan"))
-        launch()
-        torch.cuda.synchronize()
-        assert torch.equal(ref, out), "launch_decode and run disagree"  # the rows timed one op
-    rows += _metadata_rows(n, r)
-    width = max(len(name) for name, _ in rows)
-    for name, (median, least) in rows:
-        print(f"  {name:<{width}}  {median:7.2f} us" + (f" ({least:7.2f})" if least is not None else ""))
+        rows, pairs = this_tree_rows(s, splits, dev, n, plan_n, compiled=dev.type == "cuda")
+        if splits == 1:
+            rows += oneshot_rows(s, dev, plan_n)
+            pairs["one-shot"] = "one-shot"
+        theirs = other_tree_rows(other, s, splits, dev, n, plan_n) if other else {}
+        named = {f"other: {row[0]}": (row[0], row[1], row[2]) for row in theirs.values()}
+        times = timer.rounds(rows + [(key, fn, calls) for key, (_, fn, calls) in named.items()])
+        if dev.type == "cuda":
+            run = rows[0][1]
+            results.append((f"GPU time a call, graph of 20 (S={splits})",
+                            (graph_time_us([run] * 20, replay_ms=30), None), None))
+        paired = {pairs[k]: (f"other: {row[0]}", times[f"other: {row[0]}"]) for k, row in theirs.items()}
+        results += [(row[0], times[row[0]], paired.get(row[0])) for row in rows]
+        if "run" in theirs:
+            mine, their = times[pairs["run"]][0], times[f"other: {theirs['run'][0]}"][0]
+            verdicts.append(f"# S={splits}: run(validate=False, out=) {mine:.2f} us, the other tree's "
+                            f"{theirs['run'][0]} {their:.2f} us: {mine / their:.3f}x (median of {r} rounds)")
+    results += [(k, v, None) for k, v in timer.rounds(metadata_rows(dev, max(20, n // 10))).items()]
+    width = max(len(row[0]) for row in results)
+    other_width = max([len(row[2][0]) for row in results if row[2]] + [0])
+    for row_name, (median, least), pair in results:
+        line = f"  {row_name:<{width}}  {median:8.2f} us" + (f" ({least:8.2f})" if least is not None else " " * 11)
+        if pair:
+            line += f"   {pair[0]:<{other_width}}  {pair[1][0]:8.2f} us ({pair[1][1]:8.2f})"
+        print(line)
+    for line in verdicts:
+        print(line)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,14 +1,15 @@
-"""How much of a measured call is the timing method, and how far is the op from no-math floors.
+"""How far the op is from no-math floors, and how much of a measured call is the timing method.
 
 For each shape it times, in one run and with the anchors' R (disjoint inputs per call, one CUDA
 graph of R calls):
-  ours      the op as shipped (table / heuristic config),
-  split pass only   the same calls with the merge kernel's launch skipped (no output written);
-            in parentheses also with PDL off,
-  PDL off   the op with TSDECODE_DISABLE_PDL=1,
-  gather    a paged-gather floor: the op's grid (requests x KV heads x splits, its block_n and
-            warps), page-ID loads and K/V tile loads, the math replaced by a sum; launched plainly
-            and, in parentheses, with programmatic dependent launch as the op's split kernel is,
+  ours      the op as shipped (table / model config),
+  split pass only   the same plans launching the split kernel alone (``SplitPassOnly``: the merge
+            kernel is not launched, the output not written); in parentheses also with PDL off,
+  PDL off   the op with programmatic dependent launch off (``DecodeLaunch(pdl=False)``),
+  gather    a paged-gather floor (this script's kernel): the op's grid (requests x KV heads x
+            splits, its block_n and warps), page-ID loads and K/V tile loads, the math replaced
+            by a sum; launched plainly and, in parentheses, with programmatic dependent launch as
+            the op's split kernel is,
   contig    a contiguous read of the same K/V bytes (a read-reduce over one buffer per call),
 each two ways:
   sync      one replay at a time, synchronised after each (``tuner.measure.graph_times_us``, the
@@ -35,29 +36,33 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import tsdecode  # noqa: E402
-from tsdecode.kernels import decode as decode_module  # noqa: E402
+from bench_decode import relaunch  # noqa: E402
+from tsdecode.device import device_properties  # noqa: E402
+from tsdecode.kernels.launch import DecodeLaunch  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
-from tuner.measure import bytes_moved, copy_bandwidth_gbs, graph_times_us, make_inputs, num_copies  # noqa: E402
+from tuner.measure import (  # noqa: E402
+    bytes_moved, copy_bandwidth_gbs, decode_call, graph_times_us, make_inputs, num_copies, plan_wrapper,
+)
 
-# The anchors' floors (shared/anchors/h200_peers.md, copy 4295 GB/s in that run): KV MiB -> us.
+# The anchors' published H200 floors (contiguous read, paged gather; copy 4295 GB/s in that run): KV MiB
+# (contiguous) or shape (gather) -> us.
 ANCHOR_CONTIG_US = {4: 3.6, 32: 9.85, 128: 32.7, 256: 62.6}
 ANCHOR_GATHER_US = {"B1_L1024": 3.4, "B1_L8192": 12.1, "B8_L1024": 12.1, "B1_L32768": 35.6, "B8_L8192": 65.5}
 
 
-class _NoLaunch:
-    """Stands in for a kernel: ``k[grid](...)`` launches nothing."""
+class SplitPassOnly(DecodeLaunch):
+    """A plan's launcher that launches the split kernel alone: the merge kernel is left out (its
+    grid unset), so with more than one split the partials are written and the output is not."""
 
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-    def warmup(self, *args, **kwargs):  # plan() compiles through this
-        return None
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._merge_grid = None
 
 
 @triton.jit
@@ -159,10 +164,11 @@ def sweep_gather(spec: ShapeSpec, dev, copy_gbs: float, replay_ms: float) -> str
     nbytes = bytes_moved(spec, sets[0].seq_lens.tolist())
     results = []
     base = spec.batch_size * spec.num_kv_heads
+    sms = device_properties(dev).sm_count
     for block_n, warps in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4), (128, 8)):
         tiles = -(-spec.kv_len // block_n)
         for per_sm in (2, 4, 8, 12, 16):
-            splits = max(1, min(tiles, round(per_sm * 132 / base)))
+            splits = max(1, min(tiles, round(per_sm * sms / base)))
             for stages in (2, 3, 5):
                 try:
                     us = statistics.median(graph_times_us(
@@ -180,7 +186,7 @@ def sweep_gather(spec: ShapeSpec, dev, copy_gbs: float, replay_ms: float) -> str
     contig = []
     for block, warps in ((2048, 8), (8192, 8), (4096, 4), (8192, 16)):
         for per_sm in (1, 2, 4, 8):
-            programs = 132 * per_sm
+            programs = sms * per_sm
             per_program = max(block, (words // programs) // block * block)
             programs = words // per_program
             bufs = [torch.randint(0, 7, (programs * per_program,), dtype=torch.int32, device=dev)
@@ -215,7 +221,7 @@ def read_ceiling(dev, copy_gbs: float, nbytes: int = 4 * 2**30) -> str:
     buf = torch.randint(0, 7, (words,), dtype=torch.int32, device=dev)
     best = None
     for block, warps, per_sm in ((8192, 8, 8), (8192, 16, 2), (2048, 8, 8), (4096, 4, 16)):
-        programs = 132 * per_sm
+        programs = device_properties(dev).sm_count * per_sm
         per_program = (words // programs) // block * block
         programs = words // per_program
         sink = torch.empty(programs, dtype=torch.int32, device=dev)
@@ -239,39 +245,21 @@ def probe(spec: ShapeSpec, dev, replay_ms: float, copy_gbs: float) -> str:
     copies = num_copies(spec)
     sets = make_inputs(spec, dev, copies=copies, seed=1)
     nbytes = bytes_moved(spec, sets[0].seq_lens.tolist())
-    wrappers = []
-    for s in sets:
-        w = tsdecode.BatchDecodePagedTSWrapper()
-        w.plan(s.block_tables, s.seq_lens, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
-               spec.page_size, q_data_type=s.q.dtype, kv_data_type=s.cache.dtype, o_data_type=s.out.dtype)
-        wrappers.append(w)
+    wrappers = [plan_wrapper(spec, s) for s in sets]
     cfg = wrappers[0].config.kernel_config
-    ours_calls = [lambda w=w, s=s: w.run(s.q, s.cache, out=s.out) for w, s in zip(wrappers, sets)]
-    ours = both(ours_calls, replay_ms)
-    # The same calls without programmatic dependent launch.
-    os.environ["TSDECODE_DISABLE_PDL"] = "1"
-    try:
-        nopdl_wrappers = []
-        for s in sets:
-            w = tsdecode.BatchDecodePagedTSWrapper()
-            w.plan(s.block_tables, s.seq_lens, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
-                   spec.page_size, q_data_type=s.q.dtype, kv_data_type=s.cache.dtype, o_data_type=s.out.dtype)
-            nopdl_wrappers.append(w)
-        no_pdl = both([lambda w=w, s=s: w.run(s.q, s.cache, out=s.out) for w, s in zip(nopdl_wrappers, sets)],
-                      replay_ms)
-    finally:
-        os.environ.pop("TSDECODE_DISABLE_PDL")
-    # The split pass alone: the same calls with the merge launch skipped (output not written).
-    merge_kernel = decode_module._merge_kernel
-    decode_module._merge_kernel = _NoLaunch()
-    try:
-        split_only = both(ours_calls, replay_ms)
-        os.environ["TSDECODE_DISABLE_PDL"] = "1"
-        split_only_plain = both([lambda w=w, s=s: w.run(s.q, s.cache, out=s.out)
-                                 for w, s in zip(nopdl_wrappers, sets)], replay_ms)
-    finally:
-        decode_module._merge_kernel = merge_kernel
-        os.environ.pop("TSDECODE_DISABLE_PDL", None)
+    decode_call(wrappers[0], sets[0], validate=True)()  # the metadata checked once
+
+    def timed(launch_type=DecodeLaunch, **options):
+        """Both methods' times of the plans' calls, their launchers rebuilt with these arguments."""
+        ws = wrappers
+        if options or launch_type is not DecodeLaunch:
+            ws = [relaunch(plan_wrapper(spec, s), launch_type, **options) for s in sets]
+        return both([decode_call(w, s) for w, s in zip(ws, sets)], replay_ms)
+
+    ours = timed()
+    no_pdl = timed(pdl=False)
+    split_only = timed(SplitPassOnly)
+    split_only_plain = timed(SplitPassOnly, pdl=False)
 
     gath = both(gather_calls(spec, sets, cfg.block_n, cfg.num_kv_splits, cfg.num_warps, cfg.num_stages, dev)[0],
                 replay_ms)
@@ -280,14 +268,16 @@ def probe(spec: ShapeSpec, dev, replay_ms: float, copy_gbs: float) -> str:
 
     words = (nbytes - nbytes % 4) // 4
     block = 2048
-    programs = 132 * 8
+    programs = device_properties(dev).sm_count * 8
     per_program = max(block, (words // programs) // block * block)
     programs = words // per_program
     bufs = [torch.randint(0, 7, (programs * per_program,), dtype=torch.int32, device=dev) for _ in range(copies)]
     rsink = torch.empty(programs, dtype=torch.int32, device=dev)
     contig = both([lambda b=b: _read_sum_kernel[(programs,)](b, rsink, per_program, BLOCK=block, num_warps=8)
                    for b in bufs], replay_ms)
-    del bufs, sets, wrappers
+    del bufs
+    sets.clear()  # the inputs' memory goes back before the next shape (timed() reads these lists)
+    wrappers.clear()
     torch.cuda.empty_cache()
 
     def pct(us):

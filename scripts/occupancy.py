@@ -1,16 +1,15 @@
-"""Registers, shared memory and resident programs per SM of the split-KV kernel, per config.
+"""Registers, shared memory and resident programs per SM of the split kernel per config: model vs driver.
 
 Compiles each config through the public wrapper (Hkv=8, Hq = 8 x G with G = block_m unless
 --groups, P=16, K/V 1024 tokens, bf16 q; bf16 and fp8 caches; one split, the direct-output
 kernel, and two) and reads the compiled kernel's metadata. Columns:
   regs, spills, smem_B   the compiled kernel's registers a thread, spilled bytes, shared memory
-  flat                   64K registers a SM shared by any warps (this script's count before the
-                         eighteenth lease: wrong where registers round badly per sub-partition)
   sub                    registers allocated per warp (256-register units) within each of the
                          SM's 4 sub-partitions (16K registers each), as CUDA's occupancy calculator
                          does; with shared memory (1 KiB reserved a block) and 64 warps a SM
   driver                 cuOccupancyMaxActiveBlocksPerMultiprocessor for the loaded kernel (truth)
-  model                  tsdecode.configs.resident_programs_per_sm (what config selection uses)
+  model                  tsdecode.config.residency.resident_programs_per_sm (what config
+                         selection uses: the measured resources table, this GPU's properties)
 
 Usage: python scripts/occupancy.py [--block-n 16,32] [--warps 1,2] [--stages 3,5] [--head-dims 64,128]
        [--kv bf16,fp8] [--block-m 16,32] [--groups 1,4] [--splits 1,2] [--jobs 8] [--csv PATH]
@@ -35,12 +34,14 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 import tsdecode  # noqa: E402
-from tsdecode.configs import KernelConfig, ProblemShape, resident_programs_per_sm  # noqa: E402
+from tsdecode.config.residency import resident_programs_per_sm  # noqa: E402
+from tsdecode.config.space import KernelConfig, ProblemShape  # noqa: E402
+from tsdecode.device import DeviceProperties, device_properties  # noqa: E402
 from tsdecode.kernels import decode  # noqa: E402
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 HEADER = ("kv", "D", "G", "block_m", "block_n", "warps", "stages", "direct", "regs", "spills", "smem_B",
-          "flat", "sub", "driver", "model")
+          "sub", "driver", "model")
 
 
 def compiled_kernels(fn) -> dict:
@@ -49,13 +50,6 @@ def compiled_kernels(fn) -> dict:
         kernels = cache[0] if isinstance(cache, tuple) else cache
         out.update(kernels)
     return out
-
-
-def flat_resident_per_sm(n_regs: int, num_warps: int, shared: int, smem_per_sm: int) -> int:
-    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256
-    by_regs = 65536 // (regs_per_warp * num_warps)
-    by_smem = smem_per_sm // (shared + 1024) if shared else 32
-    return max(0, min(by_regs, by_smem, 64 // num_warps, 32))
 
 
 def sub_partition_resident_per_sm(n_regs: int, num_warps: int, shared: int, smem_per_sm: int) -> int:
@@ -80,8 +74,9 @@ def driver_resident_per_sm(kernel, num_warps: int, shared: int) -> int:
         return -1
 
 
-def rows(args, smem_per_sm: int):
+def rows(args, props: DeviceProperties):
     dev = torch.device("cuda")
+    smem_per_sm = props.shared_memory_per_sm
     combos = [c for c in itertools.product(args.kv, args.head_dims, args.groups or [0], args.block_m,
                                            args.block_n, args.warps, args.stages, args.splits)
               if c[2] <= c[3]]  # G rows fit block_m
@@ -92,11 +87,9 @@ def rows(args, smem_per_sm: int):
                            num_stages=stages)
         key = (kv_name, head_dim, group, block_m, block_n, warps, stages, splits)
         before = set(compiled_kernels(decode._split_kv_kernel))
-        tables = torch.zeros((1, 64), dtype=torch.int32, device=dev)
-        lens = torch.full((1,), 1024, dtype=torch.int32, device=dev)
         w = tsdecode.BatchDecodePagedTSWrapper()
-        try:
-            w.plan(tables, lens, 8 * group, 8, head_dim, 16, q_data_type=torch.bfloat16,
+        try:  # plan compiles the kernels without launching them
+            w.plan(dev, 1, 8 * group, 8, head_dim, 16, 1024, q_data_type=torch.bfloat16,
                    kv_data_type=kv_dtype, o_data_type=torch.bfloat16, config=cfg)
         except Exception as exc:  # noqa: BLE001
             print(f"# {key} failed: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
@@ -111,10 +104,9 @@ def rows(args, smem_per_sm: int):
                              page_size=16, max_kv_len=1024, kv_dtype=kv_dtype)
         yield (kv_name, head_dim, group, block_m, block_n, warps, stages, int(splits == 1), k.n_regs,
                k.n_spills, shared,
-               flat_resident_per_sm(k.n_regs, warps, shared, smem_per_sm),
                sub_partition_resident_per_sm(k.n_regs, warps, shared, smem_per_sm),
                driver_resident_per_sm(k, warps, shared),
-               resident_programs_per_sm(cfg, shape, smem_per_sm))
+               resident_programs_per_sm(cfg, shape, props))
 
 
 RESOURCE_COLUMNS = ("kv_bytes", "block_d", "group_size", "block_m", "block_n", "num_warps",
@@ -140,12 +132,12 @@ def write_resources(inputs: list[str], out: str) -> int:
         log = path[: -len(".csv")] + ".log"
         if os.path.exists(log):
             with open(log) as f:
-                heads.append(f"# source {os.path.basename(path)}: {f.readline().strip().lstrip('# ')}\n")
+                heads.append(f"# source {path}: {f.readline().strip().lstrip('# ')}\n")
     with open(out, "w") as f:
         f.write("# Split-KV kernel resources per config: registers a thread and shared memory (bytes) of\n"
                 "# the kernel triton compiled through the public plan (Hkv=8, Hq=8*G, P=16, bf16 q, dense,\n"
                 "# one query token) on the GPU below. Written by scripts/occupancy.py --resources from its\n"
-                "# CSVs; read by tsdecode.configs.split_kernel_resources.\n")
+                "# CSVs; read by tsdecode.config.residency.split_kernel_resources.\n")
         f.writelines(heads)
         f.write(",".join(RESOURCE_COLUMNS) + "\n")
         for key in sorted(merged):
@@ -155,7 +147,7 @@ def write_resources(inputs: list[str], out: str) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
     ap.add_argument("--block-n", type=ints, default=[16, 32, 64, 128])
     ap.add_argument("--warps", type=ints, default=[1, 2, 4, 8])
@@ -181,8 +173,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("occupancy needs a CUDA GPU", file=sys.stderr)
         return 2
-    props = torch.cuda.get_device_properties(0)
-    smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    props = device_properties(torch.device("cuda"))
+    smem_per_sm = props.shared_memory_per_sm
     if args.jobs > 1:  # children print CSV lines; this process sorts and prints them
         lists = {"--block-n": args.block_n, "--warps": args.warps, "--stages": args.stages,
                  "--head-dims": args.head_dims, "--kv": args.kv, "--block-m": args.block_m,
@@ -203,7 +195,7 @@ def main() -> int:
         table = sorted(found, key=lambda r: (order[r[0]], *map(int, r[1:8])))
     else:
         table = []
-        for row in rows(args, smem_per_sm):
+        for row in rows(args, props):
             table.append([str(x) for x in row])
             if args.csv == "-":
                 print(",".join(table[-1]), flush=True)
@@ -213,15 +205,16 @@ def main() -> int:
     if args.csv:
         with open(args.csv, "w") as f:
             f.write("\n".join(lines) + "\n")
-    print(f"# {props.name}: {props.multi_processor_count} SMs, {smem_per_sm} B shared memory per SM; "
+    print(f"# {props.name}: {props.sm_count} SMs, {smem_per_sm} B shared memory per SM; "
           f"torch {torch.__version__}, triton {triton.__version__}")
     print(" ".join(f"{h:>7s}" for h in HEADER))
     for r in table:
         print(" ".join(f"{x:>7s}" for x in r))
-    off = [r for r in table if int(r[13]) >= 0 and int(r[14]) != int(r[13])]
+    sub_i, driver_i, model_i = (HEADER.index(c) for c in ("sub", "driver", "model"))
+    off = [r for r in table if int(r[driver_i]) >= 0 and int(r[model_i]) != int(r[driver_i])]
     print(f"# model off the driver's count at {len(off)} of {len(table)} configs"
-          + (": " + "; ".join("/".join(r[:8]) + f" {r[14]} vs {r[13]}" for r in off[:40]) if off else ""))
-    sub = [r for r in table if int(r[13]) >= 0 and int(r[12]) != int(r[13])]
+          + (": " + "; ".join("/".join(r[:8]) + f" {r[model_i]} vs {r[driver_i]}" for r in off[:40]) if off else ""))
+    sub = [r for r in table if int(r[driver_i]) >= 0 and int(r[sub_i]) != int(r[driver_i])]
     print(f"# sub-partition count off the driver's at {len(sub)} of {len(table)} configs")
     return 0
 

@@ -1,24 +1,28 @@
-"""Count the split-pass kernel's SASS instructions for sm90 without a GPU (triton's bundled ptxas).
+"""SASS instruction counts, registers and shared memory of the split kernel for sm90, offline.
 
-Compiles ``_split_kv_kernel`` for one llama3-8b-like config (G=4, D=128, P=16, SQ=1, dense, 16
-rows) with the JIT's usual specialisation (pointers and page/head strides divisible by 16) and
-prints registers, shared memory, the instruction count per opcode and the memory / conversion
-instructions with their widths. ``--source`` compiles another copy of decode.py; ``--compare``
-diffs TTIR, TTGIR and SASS of two copies (e.g. to show a constexpr-gated change leaves every
-other variant's machine code alone). Codegen differs between triton versions: this counts what
-the installed triton emits (triton 3.9 on the CPU machine, 3.6 on the lent H200). To count what
-the H200's triton emits without the device: ``pip download triton==3.6.0 --no-deps``, ``pip
-install --no-deps --target /tmp/t36 <the wheel>``, then run this with ``PYTHONPATH=/tmp/t36``.
+Compiles ``_split_kv_kernel`` for one config without a GPU (triton's bundled ptxas), specialised
+as the runtime's launch specialises it (``tsdecode.kernels.launch``: the plan's constexprs, the
+product form ``transposed_products`` picks unless forced, PDL on as on sm90; pointers 16-byte
+aligned and each integer argument as triton specialises its value, for a contiguous q [B, Hq, D]
+and combined cache [pages, 2, Hkv, P, D] and a block table padded to 16 columns). Prints
+registers, spills, shared memory, the instruction count per opcode and the memory / conversion
+instructions. ``--source`` compiles another copy of decode.py; ``--compare`` diffs TTIR, TTGIR
+and SASS of two copies (e.g. to show a constexpr-gated change leaves every other variant's
+machine code alone); a decode.py inside another source tree's ``tsdecode/kernels/`` that imports
+its package is loaded with that tree. Codegen differs between triton versions: this counts what
+the installed triton emits. To count what another version emits: ``pip download triton==X
+--no-deps``, ``pip install --no-deps --target /tmp/tX <the wheel>``, run with ``PYTHONPATH=/tmp/tX``.
 
-Usage: python scripts/sass_count.py [--kv-dtype fp8e4nv] [--block-n 64] [--warps 2] [--stages 2]
-       [--maxnreg 128]
-       [--source path/to/decode.py] [--compare other/decode.py]
+Usage: python scripts/sass_count.py [--kv-dtype fp8e4nv] [--block-n 64] [--block-m 16] [--warps 2]
+       [--stages 2] [--splits 6] [--group 4] [--head-dim 128] [--page-size 16]
+       [--transposed | --standard] [--maxnreg 128] [--source decode.py] [--compare other/decode.py]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import importlib.util
 import os
 import re
@@ -27,61 +31,123 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ["TRITON_INTERPRET"] = "0"  # compiles for sm90: never the interpreter
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
+import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+from tsdecode.config.space import KernelConfig, ProblemShape  # noqa: E402
+from tsdecode.kernels.launch import allocate_scratch, compute_dtype, transposed_products  # noqa: E402
 
 DEFAULT_SOURCE = os.path.join(os.path.dirname(__file__), "..", "tsdecode", "kernels", "decode.py")
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-POINTERS = ("q_ptr", "k_ptr", "v_ptr", "block_tables_ptr", "seq_lens_ptr", "qo_indptr_ptr", "out_ptr",
-            "partial_o_ptr", "partial_lse_ptr")
-DIVISIBLE_INTS = ("stride_q_batch", "stride_q_head", "stride_o_batch", "stride_o_head", "stride_k_page",
-                  "stride_k_head", "stride_v_page", "stride_v_head", "stride_po_tok", "stride_po_head",
-                  "stride_po_split", "stride_lse_tok", "stride_lse_head", "max_kv_len")
+KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8e4nv": torch.float8_e4m3fn}
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
+                torch.float32: "fp32", torch.int32: "i32"}
+BLOCK_TABLE_COLUMNS = 16  # tuner.measure.make_inputs pads rows to a multiple of 16
 
 
 def load_module(path: str, name: str):
+    """A decode.py as a module: standalone, or, where it imports its package, with that package
+    (another source tree's tsdecode loaded as ``tsdecode_other``)."""
     spec = importlib.util.spec_from_file_location(f"tsdecode.kernels.{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses in the module look themselves up here
-    spec.loader.exec_module(module)
-    return module
+    try:
+        spec.loader.exec_module(module)
+        return module
+    except ImportError:
+        del sys.modules[spec.name]
+        kernels = os.path.dirname(os.path.abspath(path))
+        if os.path.basename(kernels) != "kernels" or os.path.basename(os.path.dirname(kernels)) != "tsdecode":
+            raise
+    from ab_trees import load_other_tree
+
+    load_other_tree(os.path.dirname(os.path.dirname(kernels)))
+    return importlib.import_module(f"tsdecode_other.kernels.{os.path.basename(path)[:-3]}")
 
 
-def compile_split(module, kv: str, block_n: int, warps: int, stages: int, splits: int,
-                  maxnreg: int | None = None, group: int = 4, block_m: int = 16,
-                  transposed: bool = False):
-    """triton.compile of the split kernel for sm90; kv: 'bf16', 'fp16' or 'fp8e4nv'."""
+def launch_arguments(shape: ProblemShape, config: KernelConfig, transposed: bool | None) -> tuple[dict, dict]:
+    """({runtime argument: value}, {constexpr: value}) of the split kernel as the plan launches it
+    on sm90 (tensors as CPU stand-ins of the right dtype)."""
+    rows = shape.rows_per_kv_head
+    if transposed is None:
+        transposed = transposed_products(shape.kv_dtype, rows, config)
+    splits = config.num_kv_splits
+    total_q = shape.batch_size * shape.max_seq_len_q
+    hq, hkv, d, p = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size
+    q_strides = (hq * d, 0, d)  # [B, Hq, D] contiguous: (batch, token, head)
+    if splits > 1:
+        partial_o, partial_lse = allocate_scratch(shape, config, total_q, torch.device("cpu"))
+        po_strides, lse_strides = partial_o.stride()[:3], partial_lse.stride()[:2]
+    else:
+        partial_o = partial_lse = torch.empty(1, dtype=shape.o_dtype)
+        po_strides, lse_strides = (0, 0, 0), (0, 0)
+    values = dict(
+        q_ptr=torch.empty(1, dtype=shape.q_dtype), k_ptr=torch.empty(1, dtype=shape.kv_dtype),
+        v_ptr=torch.empty(1, dtype=shape.kv_dtype), block_tables_ptr=torch.empty(1, dtype=torch.int32),
+        seq_lens_ptr=torch.empty(1, dtype=torch.int32), qo_indptr_ptr=torch.empty(1, dtype=torch.int32),
+        out_ptr=torch.empty(1, dtype=shape.o_dtype), partial_o_ptr=partial_o, partial_lse_ptr=partial_lse,
+        qk_scale_log2=1.0, bmm2_scale=1.0, window_left=shape.window_left, max_kv_len=shape.max_kv_len,
+        num_kv_heads=hkv, num_kv_splits=splits,
+        stride_q_batch=q_strides[0], stride_q_tok=q_strides[1], stride_q_head=q_strides[2],
+        stride_o_batch=q_strides[0], stride_o_tok=q_strides[1], stride_o_head=q_strides[2],
+        stride_k_page=2 * hkv * p * d, stride_k_head=p * d, stride_v_page=2 * hkv * p * d, stride_v_head=p * d,
+        stride_bt_row=BLOCK_TABLE_COLUMNS, stride_po_tok=po_strides[0], stride_po_head=po_strides[1],
+        stride_po_split=po_strides[2], stride_lse_tok=lse_strides[0], stride_lse_head=lse_strides[1],
+    )
+    constexprs = dict(
+        GROUP_SIZE=shape.group_size, HEAD_DIM=d, BLOCK_D=shape.block_d, PAGE_SIZE=p,
+        SEQ_LEN_Q=shape.max_seq_len_q, PACKED=shape.packed, CAUSAL=shape.causal, WINDOW=shape.window_left >= 0,
+        NUM_M_BLOCKS=-(-rows // config.block_m), BLOCK_M=triton.next_power_of_2(rows) if transposed else config.block_m,
+        BLOCK_N=config.block_n, TRANSPOSED=transposed, DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot,
+        DOT_FP32=False, COMPUTE_DTYPE=compute_dtype(shape.q_dtype, shape.kv_dtype),
+        NUM_STAGES=config.num_stages, USE_PDL=True,
+    )
+    return values, constexprs
+
+
+def compile_split(module, shape: ProblemShape, config: KernelConfig, transposed: bool | None = None,
+                  maxnreg: int | None = None):
+    """triton.compile of ``module._split_kv_kernel`` for sm90, specialised as the launch is."""
     fn = module._split_kv_kernel
-    q = "bf16" if kv in ("bf16", "fp8e4nv") else kv
-    compute = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp8e4nv": tl.float16}[kv]
-    types = dict(q_ptr=f"*{q}", k_ptr=f"*{kv}", v_ptr=f"*{kv}", block_tables_ptr="*i32",
-                 seq_lens_ptr="*i32", qo_indptr_ptr="*i32", out_ptr=f"*{q}", partial_o_ptr="*fp32",
-                 partial_lse_ptr="*fp32", qk_scale_log2="fp32", bmm2_scale="fp32")
-    constexprs = dict(GROUP_SIZE=group, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, SEQ_LEN_Q=1, PACKED=False,
-                      CAUSAL=False, WINDOW=False, NUM_M_BLOCKS=1, BLOCK_M=block_m, BLOCK_N=block_n,
-                      DIRECT_OUT=splits == 1, USE_DOT=True, DOT_FP32=False, COMPUTE_DTYPE=compute,
-                      NUM_STAGES=stages, USE_PDL=True,
-                      # a constexpr of branch exp/fp8-v-convert-first's decode.py (--source it)
-                      **({"CONVERT_V_FIRST": kv == "fp8e4nv"} if "CONVERT_V_FIRST" in fn.arg_names else {}),
-                      **({"TRANSPOSED": transposed} if "TRANSPOSED" in fn.arg_names else {}))
-    signature, values = {}, {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name], values[name] = "constexpr", constexprs[name]
-        else:
-            signature[name] = types.get(name, "i32")
-    for i, p in enumerate(fn.params):  # constexprs with defaults (not set above) keep them
-        if p.is_constexpr and p.name not in values:
-            signature[p.name], values[p.name] = "constexpr", p.default
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name in POINTERS or name in DIVISIBLE_INTS}
-    source = ASTSource(fn=fn, signature=signature, constexprs=values, attrs=attrs)
+    values, constexprs = launch_arguments(shape, config, transposed)
+    unspecialised = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize or ()}
+    signature, fixed, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        name = param.name
+        if param.is_constexpr:
+            if name in constexprs:
+                fixed[name] = constexprs[name]
+            elif param.has_default:
+                fixed[name] = param.default
+            else:
+                raise SystemExit(f"{name}: a constexpr of this decode.py that sass_count.py does not set")
+            signature[name] = "constexpr"
+            continue
+        if name not in values:  # an argument of another copy of the kernel: a plain int
+            signature[name] = "i32"
+            continue
+        kind, key = native_specialize_impl(BaseBackend, values[name], False, name not in unspecialised, True)
+        if isinstance(values[name], torch.Tensor):
+            kind = "*" + TRITON_TYPES[values[name].dtype]
+            key = "D"  # the launch's tensors are 16-byte aligned
+        if kind == "constexpr":  # an integer argument equal to 1
+            signature[name], fixed[name] = "constexpr", key
+            continue
+        signature[name] = kind
+        if isinstance(key, str) and name not in unspecialised:
+            parsed = BaseBackend.parse_attr(key)
+            if parsed:
+                attrs[(i,)] = parsed
+    source = ASTSource(fn=fn, signature=signature, constexprs=fixed, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=warps, num_stages=stages,
+                          options=dict(num_warps=config.num_warps, num_stages=config.num_stages,
                                        **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
@@ -108,36 +174,49 @@ def strip_locations(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kv-dtype", default="fp8e4nv", choices=("bf16", "fp16", "fp8e4nv"))
+    ap.add_argument("--kv-dtype", default="fp8e4nv", choices=tuple(KV_DTYPES), help="K/V cache dtype (q and "
+                    "output: bf16 over an fp8 cache, else the cache's)")
     ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--block-m", type=int, default=16, help="packed query rows per program")
     ap.add_argument("--warps", type=int, default=2)
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--splits", type=int, default=6, help="1 compiles the direct-output variant")
-    ap.add_argument("--maxnreg", type=int, default=None, help="triton's register cap (compile option)")
-    ap.add_argument("--group", type=int, default=4, help="query heads per KV head (G)")
-    ap.add_argument("--block-m", type=int, default=16, help="packed query rows per program")
-    ap.add_argument("--transposed", action="store_true", help="S^T = K Q^T, O^T = V^T P^T form")
+    ap.add_argument("--group", type=int, default=4, help="query heads per KV head (G; Hkv = 8)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    form = ap.add_mutually_exclusive_group()
+    form.add_argument("--transposed", action="store_const", const=True, dest="form",
+                      help="force S^T = K Q^T, O^T = V^T P^T (default: the launcher's choice)")
+    form.add_argument("--standard", action="store_const", const=False, dest="form",
+                      help="force S = Q K^T, O = P V")
+    ap.add_argument("--maxnreg", type=int, default=None, help="triton's register cap (a compile option)")
     ap.add_argument("--source", default=DEFAULT_SOURCE)
     ap.add_argument("--compare", default=None, help="another decode.py: diff TTIR, TTGIR, SASS")
     args = ap.parse_args(argv)
-    opts = (args.kv_dtype, args.block_n, args.warps, args.stages, args.splits)
-    shape = dict(group=args.group, block_m=args.block_m, transposed=args.transposed)
-    kernel = compile_split(load_module(args.source, "counted"), *opts, maxnreg=args.maxnreg, **shape)
+    kv = KV_DTYPES[args.kv_dtype]
+    io = torch.bfloat16 if kv.itemsize == 1 else kv
+    shape = ProblemShape(batch_size=1, num_qo_heads=8 * args.group, num_kv_heads=8, head_dim=args.head_dim,
+                         page_size=args.page_size, max_kv_len=8192, q_dtype=io, kv_dtype=kv, o_dtype=io)
+    config = KernelConfig(block_n=args.block_n, block_m=args.block_m, num_kv_splits=args.splits,
+                          num_warps=args.warps, num_stages=args.stages)
+    config.validate()
+    kernel = compile_split(load_module(args.source, "counted"), shape, config, args.form, args.maxnreg)
     sass, usage = disassemble(kernel)
     ops = opcodes(sass)
     regs = re.search(r"REG:(\d+)", usage)
-    print(f"triton {triton.__version__}, sm90, kv {args.kv_dtype}, block_n {args.block_n}, "
-          f"{args.warps} warps, {args.stages} stages, {args.splits} splits")
     spill = re.search(r"LOCAL:(\d+)", usage)
+    form_name = {True: "transposed", False: "standard", None: "launcher's"}[args.form]
+    print(f"triton {triton.__version__}, sm90, kv {args.kv_dtype}, G {args.group}, D {args.head_dim}, "
+          f"P {args.page_size}, block_n {args.block_n}, block_m {args.block_m}, {args.warps} warps, "
+          f"{args.stages} stages, {args.splits} splits, {form_name} product form")
     print(f"registers {regs.group(1) if regs else '?'}, local (spill) {spill.group(1) if spill else '?'} B, "
-          f"shared {kernel.metadata.shared} B, "
-          f"{len(ops)} SASS instructions")
+          f"shared {kernel.metadata.shared} B, {len(ops)} SASS instructions")
     print("by opcode:", ", ".join(f"{k} {v}" for k, v in
                                   collections.Counter(o.split(".")[0] for o in ops).most_common(20)))
     memory = collections.Counter(o for o in ops if re.match(r"(LDG|LDS|STS|LDSM|STSM|LDGSTS|F2FP)", o))
     print("memory and conversions:", ", ".join(f"{k} {v}" for k, v in memory.most_common()))
     if args.compare:
-        other = compile_split(load_module(args.compare, "compared"), *opts, maxnreg=args.maxnreg, **shape)
+        other = compile_split(load_module(args.compare, "compared"), shape, config, args.form, args.maxnreg)
         other_sass, _ = disassemble(other)
         for name, a, b in (("ttir", kernel.asm["ttir"], other.asm["ttir"]),
                            ("ttgir", kernel.asm["ttgir"], other.asm["ttgir"]),

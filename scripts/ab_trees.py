@@ -1,0 +1,209 @@
+"""Same-run A/B of two source trees of tsdecode (e.g. the previous main against this one).
+
+Both trees are imported into one process (the other tree as the package ``tsdecode_other``), so
+every shape's inputs are made once and the two trees' picks (tuned table or heuristic, no explicit
+config) are timed in interleaved rounds with the anchors' CUDA-graph method. The other tree may
+use the old call form (``plan(block_tables, seq_lens_kv, ...)``, ``run(q, cache, out=)``) or the
+FlashInfer one (``plan(device, batch_size, ...)``, ``run(q, cache, seq_lens, block_tables, ...)``):
+a small adapter tells them apart. ``--tuned-table`` adds a third column: the entry of that table
+for the shape's exact bucket, run as an explicit config (a short ``tsdecode-tune`` of the same
+shapes), so the pick can be compared with a tuned best in the same call.
+
+Suites: targets and heldout (``scripts/bench_decode.py``'s), and ``random``: COUNT shapes drawn
+with SEED (G 1-16, D 64/128/256, P 1-64, B 1-256, L 100-64k, bf16 or fp8 cache, some ragged).
+
+Usage: python scripts/ab_trees.py --other /path/to/old/tree --suites targets,heldout,random
+       [--count 40 --seed 2] [--tuned-table DIR/NVIDIA_H200.json] [--csv out.csv]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import random
+import statistics
+import sys
+import types
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+import bench_decode  # noqa: E402
+import tsdecode  # noqa: E402
+from tsdecode.config import tables  # noqa: E402
+from tuner.grids import ShapeSpec  # noqa: E402
+from tuner.measure import bytes_moved, copy_bandwidth_gbs, graph_time_us, make_inputs, num_copies  # noqa: E402
+
+PAGE_SIZES = (1, 2, 3, 4, 8, 12, 16, 16, 24, 32, 48, 64)
+MAX_KV_BYTES = 4 << 30
+
+
+def load_other_tree(root: str):
+    """The tsdecode package of another source tree, as ``tsdecode_other`` (its torch ops are not
+    registered: the op names are this tree's)."""
+    pkg_dir = os.path.join(root, "tsdecode")
+    sys.modules["tsdecode_other.torch_ops"] = types.ModuleType("tsdecode_other.torch_ops")
+    spec = importlib.util.spec_from_file_location("tsdecode_other", os.path.join(pkg_dir, "__init__.py"),
+                                                  submodule_search_locations=[pkg_dir])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tsdecode_other"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_shapes(count: int, seed: int) -> list[ShapeSpec]:
+    rng = random.Random(seed)
+    shapes = []
+    while len(shapes) < count:
+        g, hkv = rng.randint(1, 16), rng.choice((1, 2, 4, 8, 8, 16))
+        d, p = rng.choice((64, 128, 128, 256)), rng.choice(PAGE_SIZES)
+        b = max(1, round(math.exp(rng.uniform(0, math.log(256)))))
+        length = max(100, round(math.exp(rng.uniform(math.log(100), math.log(65536)))))
+        kv = "float8_e4m3fn" if rng.random() < 0.3 else "bfloat16"
+        spec = ShapeSpec(batch_size=b, kv_len=length, num_qo_heads=g * hkv, num_kv_heads=hkv, head_dim=d,
+                         page_size=p, kv_dtype=kv, ragged=rng.random() < 0.3 and b > 1)
+        if 2 * b * length * hkv * d * (1 if kv != "bfloat16" else 2) <= MAX_KV_BYTES and g * hkv <= 128:
+            shapes.append(spec)
+    return shapes
+
+
+def write_grid(shapes: list[ShapeSpec], path: str) -> None:
+    """The shapes as [[grid]] tables of a ``tsdecode-tune --grid-file``."""
+    with open(path, "w") as f:
+        for s in shapes:
+            f.write(f"[[grid]]\nbatch_sizes = [{s.batch_size}]\nkv_lens = [{s.kv_len}]\n"
+                    f"heads = \"{s.num_qo_heads}:{s.num_kv_heads}\"\nhead_dim = {s.head_dim}\n"
+                    f"page_sizes = [{s.page_size}]\nkv_dtypes = [\"{s.kv_dtype}\"]\n"
+                    f"ragged = {str(s.ragged).lower()}\n\n")
+
+
+def suite_shapes(names: list[str], count: int, seed: int) -> list[tuple[str, ShapeSpec]]:
+    out = []
+    for name in names:
+        if name == "targets":
+            out += [("targets", t.spec) for t in bench_decode.target_suite()]
+        elif name == "heldout":
+            out += [("heldout", s) for s in bench_decode.heldout_suite()]
+        elif name == "random":
+            out += [("random", s) for s in random_shapes(count, seed)]
+        else:
+            raise SystemExit(f"unknown suite {name!r}: expected targets, heldout or random")
+    return out
+
+
+def plan_calls(module, spec: ShapeSpec, sets, config=None):
+    """Zero-argument calls running ``module``'s wrapper on each input set, and its pick."""
+    calls, picked = [], None
+    for s in sets:
+        w = module.BatchDecodePagedTSWrapper()
+        kw = dict(q_data_type=s.q.dtype, kv_data_type=s.cache.dtype, o_data_type=s.out.dtype,
+                  mask_type=spec.mask_type, window_left=spec.window_left)
+        lens = s.seq_lens.tolist()
+        if "device" in module.BatchDecodePagedTSWrapper.plan.__code__.co_varnames[:2]:  # FlashInfer form
+            if config is not None:
+                kw["config"] = module.KernelConfig(**config.to_dict())
+            w.plan(s.q.device, spec.batch_size, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                   spec.page_size, max(lens), seq_lens=lens, max_seq_len_q=spec.seq_len_q, **kw)
+            calls.append(lambda w=w, s=s: w.run(s.q, s.cache, None, s.block_tables, out=s.out, validate=False))
+        else:  # the call form before: metadata bound at plan
+            if config is not None:
+                kw["config"] = module.KernelConfig(**config.to_dict())
+            w.plan(s.block_tables, s.seq_lens, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                   spec.page_size, seq_len_q=spec.seq_len_q, **kw)
+            calls.append(lambda w=w, s=s: w.run(s.q, s.cache, out=s.out))
+        picked = w.config
+    return calls, picked
+
+
+def tuned_entry(table_path: str | None, spec: ShapeSpec):
+    if not table_path:
+        return None
+    table = tables.load_table(table_path)
+    if table is None:
+        return None
+    entry = table.entries.get(tables.problem_class_key(spec.to_problem_shape()), {}).get(
+        tables.bucket_of(spec.batch_size, spec.kv_len))
+    return None if entry is None else entry.kernel_config
+
+
+RETIME_BELOW = 0.97  # A/B time ratio under which a shape gets RETIME_ROUNDS more rounds
+RETIME_ROUNDS = 3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--other", default=None, help="root of the other source tree (the A side)")
+    ap.add_argument("--suites", default="targets,heldout,random")
+    ap.add_argument("--count", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--replay-ms", type=float, default=60.0)
+    ap.add_argument("--tuned-table", default=None)
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--write-grid", default=None,
+                    help="write the random suite as a tsdecode-tune --grid-file (TOML) and exit")
+    args = ap.parse_args()
+    if args.write_grid:
+        write_grid(random_shapes(args.count, args.seed), args.write_grid)
+        return 0
+    if not args.other:
+        ap.error("--other is required")
+    other = load_other_tree(args.other)
+    dev = torch.device("cuda")
+    copy = copy_bandwidth_gbs(dev)
+    print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, copy {copy:.0f} GB/s; "
+          f"A = {args.other}, B = this tree", flush=True)
+    rows = []
+    for suite, spec in suite_shapes(args.suites.split(","), args.count, args.seed):
+        sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
+        nbytes = bytes_moved(spec, sets[0].seq_lens.tolist())
+        sides = {"A": plan_calls(other, spec, sets), "B": plan_calls(tsdecode, spec, sets)}
+        tuned = tuned_entry(args.tuned_table, spec)
+        if tuned is not None:
+            sides["tuned"] = plan_calls(tsdecode, spec, sets, tuned)
+        times = {k: [] for k in sides}
+        for _ in range(args.rounds):
+            for k, (calls, _) in sides.items():
+                times[k].append(graph_time_us(calls, args.replay_ms))
+        retimed = min(times["A"]) / min(times["B"]) < RETIME_BELOW
+        for _ in range(RETIME_ROUNDS if retimed else 0):  # a slower B gets more rounds before it counts
+            for k, (calls, _) in sides.items():
+                times[k].append(graph_time_us(calls, args.replay_ms))
+        best = {k: min(v) for k, v in times.items()}
+        spread = {k: (max(v) - min(v)) / min(v) for k, v in times.items()}
+        row = dict(suite=suite, shape=spec.name, a_us=best["A"], b_us=best["B"], a_over_b=best["A"] / best["B"],
+                   noise=max(spread.values()), retimed=retimed, a_config=str(sides["A"][1].kernel_config), a_source=sides["A"][1].source,
+                   b_config=str(sides["B"][1].kernel_config), b_source=sides["B"][1].source,
+                   pct_copy_b=100 * nbytes / (best["B"] * 1e-6) / 1e9 / copy)
+        line = (f"{suite:8s} {spec.name:48s} A {best['A']:9.1f} B {best['B']:9.1f} A/B {best['A'] / best['B']:6.3f} "
+                f"(noise {row['noise']:.3f}{', re-timed' if retimed else ''})")
+        if tuned is not None:
+            row.update(tuned_us=best["tuned"], b_over_tuned=best["B"] / best["tuned"], tuned_config=str(tuned))
+            line += f" tuned {best['tuned']:9.1f} B/tuned {best['B'] / best['tuned']:6.3f}"
+        print(line + f" | B {row['b_source']} {row['b_config']}", flush=True)
+        rows.append(row)
+        if args.csv:  # rewritten after every shape, so a run cut short keeps what it measured
+            bench_decode.write_csv(args.csv, rows)
+        del sets, sides
+        torch.cuda.empty_cache()
+    for suite in sorted({r["suite"] for r in rows}):
+        r = [x for x in rows if x["suite"] == suite]
+        ratios = [x["a_over_b"] for x in r]
+        geo = math.exp(statistics.fmean(map(math.log, ratios)))
+        worst = min(r, key=lambda x: x["a_over_b"])
+        print(f"# {suite}: {len(r)} shapes, geomean A/B time {geo:.3f} (>1: B faster), slowest B "
+              f"{worst['a_over_b']:.3f} at {worst['shape']} (noise {worst['noise']:.3f})")
+        tuned = [x["b_over_tuned"] for x in r if "b_over_tuned" in x]
+        if tuned:
+            print(f"# {suite}: B's pick vs the short tune's: within 5% at {sum(t <= 1.05 for t in tuned)} of "
+                  f"{len(tuned)}, within 10% at {sum(t <= 1.10 for t in tuned)}, worst {max(tuned):.3f}, "
+                  f"median {statistics.median(tuned):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

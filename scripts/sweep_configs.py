@@ -1,0 +1,157 @@
+"""Kernel time of a structured config sweep on random off-grid shapes: data for calibrating the config model.
+
+For each shape (``ab_trees.random_shapes``: G 1-16, D 64/128/256, P 1-64, B 1-256, L 100-64k,
+bf16 or fp8 cache, some ragged): tile families (block_n, num_warps, num_stages) x split counts that
+span ~0.25 to ~48 programs per SM, compiled in parallel first (one process per CPU core, each
+planning the configs, which compiles them), then timed with the anchors' CUDA-graph method (short
+replays); the best few and the plan's own pick (tuned table or model) are re-timed at full length,
+two rounds interleaved. Writes one CSV row per timing, with ``spread`` (longest / mean drawn
+length) as ``tests/data/h200_timings.csv.gz`` records it.
+
+Usage: python scripts/sweep_configs.py --count 48 --seed 1 --csv sweep.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+from ab_trees import random_shapes  # noqa: E402
+from tsdecode import BatchDecodePagedTSWrapper  # noqa: E402
+from tsdecode.config.space import KernelConfig, dot_block_m, fit_config  # noqa: E402
+from tsdecode.device import device_properties  # noqa: E402
+from tuner.grids import ShapeSpec  # noqa: E402
+from tuner.measure import (  # noqa: E402
+    bytes_moved, copy_bandwidth_gbs, decode_call, graph_time_us, make_inputs, num_copies, plan_wrapper,
+)
+
+FAMILIES = ((16, 1, 3), (16, 1, 5), (32, 1, 5), (32, 2, 5), (64, 2, 5), (32, 4, 2), (64, 4, 2),
+            (64, 4, 5), (128, 4, 2))
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def candidates(spec: ShapeSpec, num_sms: int) -> list[KernelConfig]:
+    """Each family's configs at every split count from ~0.25 to ~48 programs per SM (fitted)."""
+    shape = spec.to_problem_shape()
+    block_m = dot_block_m(shape.rows_per_kv_head)
+    base = spec.batch_size * spec.num_kv_heads * -(-shape.rows_per_kv_head // block_m)
+    out = set()
+    for bn, w, st in FAMILIES:
+        tiles = shape.max_visible_tiles(bn)
+        for s in SPLITS:
+            if s > tiles or (s > 1 and base * s > 48 * num_sms) or (s > 1 and base * s < num_sms // 4):
+                continue
+            out.add(fit_config(KernelConfig(block_n=bn, block_m=block_m, num_kv_splits=s, num_warps=w,
+                                            num_stages=st), shape)[0])
+    return sorted(out, key=lambda c: (c.block_n, c.num_warps, c.num_stages, c.num_kv_splits))
+
+
+def precompile(spec: ShapeSpec, config: KernelConfig) -> str | None:
+    """Plan ``config`` for ``spec`` (which compiles its kernels for the layout ``make_inputs``
+    builds, into triton's on-disk cache); the error's text if that fails."""
+    try:
+        BatchDecodePagedTSWrapper().plan(
+            "cuda", spec.batch_size, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
+            spec.kv_len, q_data_type=getattr(torch, spec.q_dtype), kv_data_type=getattr(torch, spec.kv_dtype),
+            o_data_type=getattr(torch, spec.o_dtype), config=config)
+    except Exception as e:  # noqa: BLE001 - reported, the timing loop skips it too
+        return f"{type(e).__name__}: {str(e)[:120]}"
+    return None
+
+
+def time_config(spec, sets, config, replay_ms):
+    ws = [plan_wrapper(spec, s, config) for s in sets]
+    decode_call(ws[0], sets[0], validate=True)()
+    calls = [decode_call(w, s) for w, s in zip(ws, sets)]
+    return graph_time_us(calls, replay_ms, min_replays=3), ws[0].config
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--csv", required=True)
+    ap.add_argument("--replay-ms", type=float, default=8.0)
+    ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("sweep_configs needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    num_sms = device_properties(dev).sm_count
+    copy = copy_bandwidth_gbs(dev)
+    shapes = random_shapes(args.count, args.seed)
+    plan = {s.name: candidates(s, num_sms) for s in shapes}
+    print(f"# {torch.cuda.get_device_name(dev)} copy {copy:.0f} GB/s; {len(shapes)} shapes, "
+          f"{sum(map(len, plan.values()))} configs", flush=True)
+    t0 = time.time()
+    jobs = []
+    for spec in shapes:
+        seen = set()
+        for c in plan[spec.name]:
+            key = (c.block_n, c.block_m, c.num_warps, c.num_stages, c.num_kv_splits == 1)
+            if key not in seen:  # the split count is a runtime argument: one compile a variant
+                seen.add(key)
+                jobs.append((spec, c))
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        errors = list(pool.map(precompile, *zip(*jobs))) if jobs else []
+    failed = sum(e is not None for e in errors)
+    print(f"# compiled {len(jobs)} variants in {time.time() - t0:.0f} s ({failed} failed)", flush=True)
+    rows = []
+    out = open(args.csv, "w", newline="")
+    writer = None
+    for i, spec in enumerate(shapes):
+        sets = make_inputs(spec, dev, copies=num_copies(spec), seed=3)
+        lens = sets[0].seq_lens.tolist()
+        nbytes = bytes_moved(spec, lens)
+        common = dict(shape=spec.name, **dataclasses.asdict(spec), spread=max(lens) * len(lens) / sum(lens),
+                      bytes=nbytes, copy_gbs=copy)
+        short = {}
+        for c in plan[spec.name]:
+            try:
+                short[c] = time_config(spec, sets, c, args.replay_ms)[0]
+            except Exception as e:  # noqa: BLE001 - out of resources etc.: not a candidate
+                print(f"#   {spec.name} {c}: {type(e).__name__}: {str(e)[:80]}")
+        picked_us, picked = time_config(spec, sets, None, args.replay_ms)
+        finalists = [picked.kernel_config] + [c for c in sorted(short, key=short.get)[:3]
+                                              if c != picked.kernel_config]
+        full = {c: math.inf for c in finalists}
+        for _ in range(2):
+            for c in finalists:
+                full[c] = min(full[c], time_config(spec, sets, c, 40.0)[0])
+        best = min(full, key=full.get)
+        for c, us in short.items():
+            rows.append(dict(common, **c.to_dict(), time_us=us, kind="short"))
+        for c, us in full.items():
+            rows.append(dict(common, **c.to_dict(), time_us=us,
+                             kind="picked" if c == picked.kernel_config else "final", source=picked.source))
+        if writer is None:
+            writer = csv.DictWriter(out, fieldnames=sorted({k for r in rows for k in r} | {"source"}))
+            writer.writeheader()
+        writer.writerows(rows)
+        out.flush()
+        rows = []
+        print(f"[{i + 1}/{len(shapes)}] {spec.name}: picked {full[picked.kernel_config]:.1f} us "
+              f"({picked.source}) best {full[best]:.1f} ratio {full[picked.kernel_config] / full[best]:.3f} "
+              f"| {best}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+    out.close()
+    print(f"# done in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
