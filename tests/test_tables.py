@@ -517,6 +517,26 @@ def test_a_bad_table_alone_is_one_warning_and_the_heuristic(how, tmp_path, caplo
     assert str(bad) in msg and "unusable" in msg
 
 
+def test_a_folder_that_cannot_be_listed_warns_once_and_the_search_goes_on(tmp_path, user_dir, caplog,
+                                                                           monkeypatch):
+    """A table folder os.listdir refuses (no read permission) never fails a plan."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real = os.listdir
+
+    def listdir(path="."):
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(tables.os, "listdir", listdir)
+    write(user_dir, num_warps=8)  # the next source
+    for _ in range(3):
+        assert warps(tables.lookup(make_shape(), H200, config_dir=locked)) == 8
+    [msg] = messages(caplog)
+    assert str(locked) in msg and "Permission denied" in msg
+
+
 @pytest.mark.parametrize("how", ["env", "set_config_path"])
 def test_a_config_path_that_does_not_exist_warns_once(how, tmp_path, user_dir, caplog, monkeypatch):
     missing = tmp_path / "no" / "such" / "dir"
