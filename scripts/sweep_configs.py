@@ -9,6 +9,8 @@ two rounds interleaved. Writes one CSV row per timing, with ``spread`` (longest 
 length) as ``tests/data/h200_timings.csv.gz`` records it.
 
 Usage: python scripts/sweep_configs.py --count 48 --seed 1 --csv sweep.csv
+       python scripts/sweep_configs.py --suites random,heldout --seed 3 --count 40 \
+           --only B43_L6752_H18x2_D128_P3_float8_e4m3fn,B2_L3000 --csv losers.csv
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 
-from ab_trees import random_shapes  # noqa: E402
+from ab_trees import suite_shapes  # noqa: E402
 from tsdecode import BatchDecodePagedTSWrapper  # noqa: E402
 from tsdecode.config.space import KernelConfig, dot_block_m, fit_config  # noqa: E402
 from tsdecode.device import device_properties  # noqa: E402
@@ -82,6 +84,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--count", type=int, default=48)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--suites", default="random", help="comma-separated: random, heldout, targets")
+    ap.add_argument("--only", default=None, help="comma-separated prefixes of shape names to keep")
     ap.add_argument("--csv", required=True)
     ap.add_argument("--replay-ms", type=float, default=8.0)
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
@@ -92,7 +96,9 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     num_sms = device_properties(dev).sm_count
     copy = copy_bandwidth_gbs(dev)
-    shapes = random_shapes(args.count, args.seed)
+    shapes = [spec for _, spec in suite_shapes(args.suites.split(","), args.count, args.seed)]
+    if args.only:
+        shapes = [s for s in shapes if any(s.name.startswith(p) for p in args.only.split(","))]
     plan = {s.name: candidates(s, num_sms) for s in shapes}
     print(f"# {torch.cuda.get_device_name(dev)} copy {copy:.0f} GB/s; {len(shapes)} shapes, "
           f"{sum(map(len, plan.values()))} configs", flush=True)

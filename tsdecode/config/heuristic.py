@@ -8,10 +8,11 @@ without splitting a request's work more than that needs. The model, in three ste
    that; four-warp programs of one short tile each ("short") where the whole problem has too few
    tiles to occupy the GPU with lean programs.
 2. Residency and target (``occupancy``). Programs of the family that fit an SM (measured
-   registers and shared memory against this GPU's), the K/V bytes each keeps in flight, and the
-   target: IN_FLIGHT_BYTES_PER_SM of loads in flight per SM, at most the programs that fit (half
-   of them when one-warp tiles cross pages: each token's page ID is then a dependent load that
-   no other warp of the program hides).
+   registers and shared memory against this GPU's), the K/V bytes each keeps in flight (a
+   pipeline of S stages: S - 1 tiles loading, each about half the time), and the target:
+   IN_FLIGHT_BYTES_PER_SM of loads in flight per SM, at most the programs that fit (half of them
+   when one-warp tiles cross pages: each token's page ID is then a dependent load that no other
+   warp of the program hides, and such a tile counts as one in flight).
 3. Splits (``num_kv_splits``), one wave rule: split each request until its programs reach the
    target in one wave; long requests that already reach half of it split further, into about
    FULL_WAVES waves, which balance the SMs; no count leaves a last wave that few programs use
@@ -34,7 +35,8 @@ from .space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, dot_block_m, f
 # Loads in flight per SM that keep its share of DRAM bandwidth busy (bandwidth x latency).
 IN_FLIGHT_BYTES_PER_SM = 64 * 1024
 # Lean tiles: 32 tokens of a 16-bit cache, 2 KiB of an fp8 one (whose conversion cost grows with
-# the tile), 16 tokens where that keeps a tile inside one page and 32 would not.
+# the tile) where that stays inside a page, else 32 tokens; 16 tokens of a 16-bit cache where
+# that keeps a tile inside one page and 32 would not.
 LEAN_TOKENS = 32
 LEAN_FP8_TILE_BYTES = 2048
 LEAN_MAX_HEAD_DIM = 128
@@ -78,10 +80,12 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
         block_n = min(64 if block_d <= LEAN_MAX_HEAD_DIM else 128,
                       max(16, WIDE_TILE_BYTES // (block_d * kv_bytes)))
         return KernelConfig(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2), "wide"
+    page = shape.page_size
     if kv_bytes == 1:
         block_n, stages = max(16, LEAN_FP8_TILE_BYTES // block_d), 5
+        if page % block_n:  # crossing pages: page-ID loads, not the conversion, set a tile's cost
+            block_n = LEAN_TOKENS
     else:
-        page = shape.page_size
         block_n = 16 if page % 16 == 0 and page % LEAN_TOKENS else LEAN_TOKENS
         aligned = page % block_n == 0
         stages = 3 if aligned and shape.rows_per_kv_head < LEAN_DEEP_MIN_ROWS else 5
@@ -99,10 +103,12 @@ def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
     resident = resident_programs_per_sm(config, shape, device, one_split=False)
     one_split = resident_programs_per_sm(config, shape, device, one_split=True)
     aligned = shape.page_size % config.block_n == 0
-    tiles_in_flight = 2 if config.num_stages >= 5 and aligned else 1
+    hidden = aligned or config.num_warps > 1  # page-ID loads of crossing tiles: other warps cover them
+    # A pipeline of S stages keeps S - 1 tiles loading, each in flight about half the time the
+    # program spends on a tile; a crossing one-warp tile waits on its page IDs first: one.
+    tiles_in_flight = (config.num_stages - 1) / 2 if hidden else 1
     tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize  # a K and a V tile
     wanted = IN_FLIGHT_BYTES_PER_SM / (tiles_in_flight * tile_bytes)
-    hidden = aligned or config.num_warps > 1  # page-ID loads of crossing tiles: other warps cover them
     target = max(1.0, min(wanted, resident if hidden else resident / 2))
     return Occupancy(config, family, _base_programs(shape, config.block_m), one_split, resident, target)
 
