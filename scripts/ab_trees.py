@@ -7,7 +7,14 @@ use the old call form (``plan(block_tables, seq_lens_kv, ...)``, ``run(q, cache,
 FlashInfer one (``plan(device, batch_size, ...)``, ``run(q, cache, seq_lens, block_tables, ...)``):
 a small adapter tells them apart. ``--tuned-table`` adds a third column: the entry of that table
 for the shape's exact bucket, run as an explicit config (a short ``tsdecode-tune`` of the same
-shapes), so the pick can be compared with a tuned best in the same call.
+shapes), so the pick can be compared with a tuned best in the same call. ``--control`` adds this
+tree a second time ("B2"): its ratio to B is the method's own noise floor.
+
+Timing: each round times every side once (one CUDA-graph replay window each), the order rotated
+from round to round, so each side goes first equally often; a ratio is the geometric mean over
+rounds of the two sides' times within a round. The order matters because a GPU at its power limit (the
+H200's 700 W, reached by fp8 caches) lowers its clock while a replay runs: a fixed order hands the
+first side the coolest clock. The mean SM clock of each side's windows is reported beside it.
 
 Suites: targets and heldout (``scripts/bench_decode.py``'s), and ``random``: COUNT shapes drawn
 with SEED (G 1-16, D 64/128/256, P 1-64, B 1-256, L 100-64k, bf16 or fp8 cache, some ragged).
@@ -130,8 +137,40 @@ def tuned_entry(table_path: str | None, spec: ShapeSpec):
     return None if entry is None else entry.kernel_config
 
 
-RETIME_BELOW = 0.97  # A/B time ratio under which a shape gets RETIME_ROUNDS more rounds
-RETIME_ROUNDS = 3
+RETIME_BELOW = 0.97  # A/B time ratio under which a shape gets more rounds
+RETIME_CYCLES = 2  # full rotations of the order added then: each side still leads equally often
+
+
+def sm_clock_mhz() -> float | None:
+    """The SM clock now (nvidia-smi's reading through torch; None where NVML is missing)."""
+    try:
+        return float(torch.cuda.clock_rate())
+    except Exception:  # no pynvml / amdsmi: the clock is not reported
+        return None
+
+
+def time_rounds(sides: dict, times: dict, clocks: dict, rounds: int, replay_ms: float) -> None:
+    """``rounds`` more rounds: every side once, in an order rotated by the round's index."""
+    names = list(sides)
+    for _ in range(rounds):
+        r = len(times[names[0]])
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            times[k].append(graph_time_us(sides[k][0], replay_ms))
+            clocks[k].append(sm_clock_mhz())
+
+
+def paired_ratio(times: dict, a: str, b: str) -> tuple[float, float]:
+    """Geometric mean over rounds of a's time over b's in the same round (a drift of the clock
+    cancels over a full rotation of the order), and the spread of those ratios ((max - min) /
+    mean)."""
+    ratios = [x / y for x, y in zip(times[a], times[b])]
+    mean = math.exp(statistics.fmean(map(math.log, ratios)))
+    return mean, (max(ratios) - min(ratios)) / mean
+
+
+def mean_clock(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else None
 
 
 def main() -> int:
@@ -140,9 +179,10 @@ def main() -> int:
     ap.add_argument("--suites", default="targets,heldout,random")
     ap.add_argument("--count", type=int, default=40)
     ap.add_argument("--seed", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per shape (default: one per side, at least 2)")
     ap.add_argument("--replay-ms", type=float, default=60.0)
     ap.add_argument("--tuned-table", default=None)
+    ap.add_argument("--control", action="store_true", help="time this tree twice (B and B2): the noise floor")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--write-grid", default=None,
                     help="write the random suite as a tsdecode-tune --grid-file (TOML) and exit")
@@ -165,25 +205,31 @@ def main() -> int:
         tuned = tuned_entry(args.tuned_table, spec)
         if tuned is not None:
             sides["tuned"] = plan_calls(tsdecode, spec, sets, tuned)
-        times = {k: [] for k in sides}
-        for _ in range(args.rounds):
-            for k, (calls, _) in sides.items():
-                times[k].append(graph_time_us(calls, args.replay_ms))
-        retimed = min(times["A"]) / min(times["B"]) < RETIME_BELOW
-        for _ in range(RETIME_ROUNDS if retimed else 0):  # a slower B gets more rounds before it counts
-            for k, (calls, _) in sides.items():
-                times[k].append(graph_time_us(calls, args.replay_ms))
-        best = {k: min(v) for k, v in times.items()}
-        spread = {k: (max(v) - min(v)) / min(v) for k, v in times.items()}
-        row = dict(suite=suite, shape=spec.name, a_us=best["A"], b_us=best["B"], a_over_b=best["A"] / best["B"],
-                   noise=max(spread.values()), retimed=retimed, a_config=str(sides["A"][1].kernel_config), a_source=sides["A"][1].source,
+        if args.control:
+            sides["B2"] = plan_calls(tsdecode, spec, sets)
+        times, clocks = {k: [] for k in sides}, {k: [] for k in sides}
+        time_rounds(sides, times, clocks, args.rounds or max(2, len(sides)), args.replay_ms)
+        retimed = paired_ratio(times, "A", "B")[0] < RETIME_BELOW
+        if retimed:  # a slower B gets more rounds before it counts
+            time_rounds(sides, times, clocks, RETIME_CYCLES * len(sides), args.replay_ms)
+        a_over_b, noise = paired_ratio(times, "A", "B")
+        med = {k: statistics.median(v) for k, v in times.items()}
+        row = dict(suite=suite, shape=spec.name, a_us=med["A"], b_us=med["B"], a_over_b=a_over_b,
+                   noise=noise, rounds=len(times["A"]), retimed=retimed,
+                   a_mhz=mean_clock(clocks["A"]), b_mhz=mean_clock(clocks["B"]),
+                   a_config=str(sides["A"][1].kernel_config), a_source=sides["A"][1].source,
                    b_config=str(sides["B"][1].kernel_config), b_source=sides["B"][1].source,
-                   pct_copy_b=100 * nbytes / (best["B"] * 1e-6) / 1e9 / copy)
-        line = (f"{suite:8s} {spec.name:48s} A {best['A']:9.1f} B {best['B']:9.1f} A/B {best['A'] / best['B']:6.3f} "
-                f"(noise {row['noise']:.3f}{', re-timed' if retimed else ''})")
+                   pct_copy_b=100 * nbytes / (med["B"] * 1e-6) / 1e9 / copy)
+        clock = "" if row["a_mhz"] is None else f", {row['a_mhz']:.0f}/{row['b_mhz']:.0f} MHz"
+        line = (f"{suite:8s} {spec.name:48s} A {med['A']:9.1f} B {med['B']:9.1f} A/B {a_over_b:6.3f} "
+                f"(noise {noise:.3f}{', re-timed' if retimed else ''}{clock})")
         if tuned is not None:
-            row.update(tuned_us=best["tuned"], b_over_tuned=best["B"] / best["tuned"], tuned_config=str(tuned))
-            line += f" tuned {best['tuned']:9.1f} B/tuned {best['B'] / best['tuned']:6.3f}"
+            b_over_tuned = paired_ratio(times, "B", "tuned")[0]
+            row.update(tuned_us=med["tuned"], b_over_tuned=b_over_tuned, tuned_config=str(tuned))
+            line += f" tuned {med['tuned']:9.1f} B/tuned {b_over_tuned:6.3f}"
+        if args.control:
+            row["b2_over_b"] = paired_ratio(times, "B2", "B")[0]
+            line += f" B2/B {row['b2_over_b']:6.3f}"
         print(line + f" | B {row['b_source']} {row['b_config']}", flush=True)
         rows.append(row)
         if args.csv:  # rewritten after every shape, so a run cut short keeps what it measured
@@ -197,6 +243,10 @@ def main() -> int:
         worst = min(r, key=lambda x: x["a_over_b"])
         print(f"# {suite}: {len(r)} shapes, geomean A/B time {geo:.3f} (>1: B faster), slowest B "
               f"{worst['a_over_b']:.3f} at {worst['shape']} (noise {worst['noise']:.3f})")
+        control = [x["b2_over_b"] for x in r if "b2_over_b" in x]
+        if control:
+            print(f"# {suite}: control B2/B (the same tree twice): geomean "
+                  f"{math.exp(statistics.fmean(map(math.log, control))):.3f}, range {min(control):.3f}-{max(control):.3f}")
         tuned = [x["b_over_tuned"] for x in r if "b_over_tuned" in x]
         if tuned:
             print(f"# {suite}: B's pick vs the short tune's: within 5% at {sum(t <= 1.05 for t in tuned)} of "

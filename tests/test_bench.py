@@ -239,3 +239,32 @@ def test_method_probe_contiguous_read_sums_every_word():
     sink = torch.full((programs,), -1, dtype=torch.int32, device=_device())
     method_probe._read_sum_kernel[(programs,)](buf, sink, per_program, BLOCK=1024)
     assert sink.tolist() == [int(c.sum()) for c in buf.view(programs, per_program).cpu()]
+
+
+def test_tree_a_b_rotates_the_order_and_pairs_each_round(monkeypatch):
+    """A GPU at its power limit slows whatever runs later: every side must lead equally often,
+    and a ratio compares the two sides within one round (a B slowed in the rounds it trailed
+    does not count as slower)."""
+    import ab_trees
+
+    order = []
+    clock = iter(range(1000))
+
+    def fake_time(calls, replay_ms):  # each window 1% slower than the one before it
+        order.append(calls)
+        return 100.0 * 1.01 ** next(clock)
+
+    monkeypatch.setattr(ab_trees, "graph_time_us", fake_time)
+    monkeypatch.setattr(ab_trees, "sm_clock_mhz", lambda: None)
+    for names in (("A", "B"), ("A", "B", "B2")):
+        order.clear()
+        sides = {k: (k, None) for k in names}
+        times, clocks = {k: [] for k in names}, {k: [] for k in names}
+        rounds = 2 * len(names)
+        ab_trees.time_rounds(sides, times, clocks, rounds, 60.0)
+        firsts = [order[i] for i in range(0, len(order), len(names))]
+        assert all(firsts.count(k) == 2 for k in names) and all(len(v) == rounds for v in times.values())
+        ratio, spread = ab_trees.paired_ratio(times, "A", "B")
+        assert abs(ratio - 1) < 1e-9 and spread > 0  # a fixed order would give 0.99 every round
+    times = {"A": [100.0, 110.0, 90.0], "B": [50.0, 100.0, 100.0]}
+    assert ab_trees.paired_ratio(times, "A", "B")[0] == pytest.approx((2.0 * 1.1 * 0.9) ** (1 / 3))

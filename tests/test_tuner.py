@@ -154,6 +154,28 @@ def _dead_stamp() -> dict:
     return {"host": study.host_key(), "pid": proc.pid, "start": "0", "label": "gone"}
 
 
+@cpu_only
+def test_a_zombie_worker_counts_as_dead():
+    """A killed run's worker can stay a zombie (its parent is gone and PID 1 need not reap it):
+    a zombie's trials must be recovered, not waited on. Here the parent lives on and never
+    reaps its exited child."""
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "c = subprocess.Popen([sys.executable, '-c', 'pass']); "
+                               "print(c.pid, flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    child = int(parent.stdout.readline())
+    stamp = {"host": study.host_key(), "pid": child, "start": None}
+    try:
+        deadline = time.monotonic() + 30
+        while study.stamp_alive(stamp) is not False and time.monotonic() < deadline:
+            time.sleep(0.05)  # the child exits at once; until then it is alive
+        assert study.stamp_alive(stamp) is False
+        assert study.stamp_alive({**stamp, "pid": os.getpid(), "start": None}) is True
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+
+
 def _main_captured(argv) -> tuple[int, str, str]:
     """main(argv) with its stdout and stderr (also usable from module-scoped fixtures)."""
     out, err = io.StringIO(), io.StringIO()
@@ -357,19 +379,20 @@ def test_resume_after_kill_loses_and_repeats_nothing(tmp_path):
         proc.kill()  # SIGKILL: no cleanup, like a crash
         proc.wait()
         proc.stderr.close()
-    worker = _records(out, "run")[0]["worker_pid"]
-    for _ in range(100):  # the worker exits when its pipe closes
-        try:
-            os.kill(worker, 0)
-        except ProcessLookupError:
+    worker = {"host": study.host_key(), "pid": _records(out, "run")[0]["worker_pid"], "start": None}
+    for _ in range(100):  # the worker exits when its pipe closes (it may stay a zombie: gone too)
+        if study.stamp_alive(worker) is False:
             break
         time.sleep(0.1)
     else:
-        os.kill(worker, signal.SIGKILL)
+        os.kill(worker["pid"], signal.SIGKILL)
     before = _records(out)
     assert 4 <= len(before) and not _records(out, "final")
 
-    assert main(args + ["--isolation", "inline"]) == 0
+    # the resume runs in its own process under a deadline: a wait on the dead run fails, not hangs
+    resumed = subprocess.run([sys.executable, "-m", "tuner", *args, "--isolation", "inline"], cwd=REPO,
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr.decode()
     after = _records(out)
     assert after[: len(before)] == before  # nothing lost or rewritten
     _check_log_matches_storage(out)
@@ -406,6 +429,29 @@ def test_recover_completes_a_running_trial_from_the_log(tmp_path):
         assert trials[live.number].state.name == "RUNNING"
         (again,) = [t for t in trials if t.state.name == "WAITING"]
         assert again.user_attrs["retry_of"] == lost.number and again.system_attrs["fixed_params"] == lost.params
+    finally:
+        tuner.close()
+
+
+@cpu_only
+def test_recover_fails_a_trial_its_worker_never_stamped(tmp_path, monkeypatch):
+    """A worker killed between taking a trial and stamping it leaves a RUNNING trial with no
+    owner: once UNSTAMPED_GRACE_S has passed it is failed and queued again (a journal file has
+    no heartbeats to tell), not waited on for the whole heartbeat grace; a fresh one is left."""
+    tuner = _bare_tuner(tmp_path)
+    try:
+        s = optuna.create_study(storage=tuner.storage, study_name="s")
+        dists = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in KernelConfig().to_dict().items()}
+        orphan = s.ask(dists)
+        assert tuner.heartbeat.grace > search.UNSTAMPED_GRACE_S
+        assert tuner._recover(s, "s") == []  # just taken: its worker may be about to stamp it
+        now = time.time()
+        monkeypatch.setattr(search.time, "time", lambda: now + search.UNSTAMPED_GRACE_S + 1)
+        assert tuner._recover(s, "s") == [orphan.number]
+        trials = s.get_trials(deepcopy=False)
+        assert trials[orphan.number].state.name == "FAIL"
+        (again,) = [t for t in trials if t.state.name == "WAITING"]
+        assert again.user_attrs["retry_of"] == orphan.number
     finally:
         tuner.close()
 

@@ -75,6 +75,9 @@ SEARCH_VERSION = 2
 SEED_WAIT_S = 60.0
 # How often a worker with nothing to do re-reads the studies it waits on.
 POLL_S = 0.5
+# A worker stamps a trial right after taking it: one still unstamped after this long lost its
+# worker in between (a storage without heartbeats would otherwise wait for it forever).
+UNSTAMPED_GRACE_S = 30.0
 
 
 def retime_noise(times: Sequence[float]) -> float:
@@ -438,10 +441,12 @@ def recover_dead(study: optuna.Study, name: str, *, storage, storage_url: str, l
                  grace: float | None, echo: Callable[[str], None]) -> list[int]:
     """Finish the RUNNING trials of dead workers: Optuna's heartbeat check (RDB storages: a
     trial without a beat for the grace period is failed, and the storage's callback queues it
-    again), then this host's dead processes (any storage): completed from the results log at
-    ``log_path`` when it holds their result (measured, but killed before telling the study),
-    else failed and queued again (``study.retry_trial``). Returns the failed trials' numbers."""
+    again), then this host's dead processes and trials no worker stamped within
+    UNSTAMPED_GRACE_S (any storage): completed from the results log at ``log_path`` when it
+    holds their result (measured, but killed before telling the study), else failed and queued
+    again (``study.retry_trial``). Returns the failed trials' numbers."""
     failed = []
+    unstamped_grace = UNSTAMPED_GRACE_S if grace is None else min(grace, UNSTAMPED_GRACE_S)
     with queue_lock(storage_url):
         if is_heartbeat_enabled(storage):
             fail_stale_trials(study)
@@ -451,8 +456,7 @@ def recover_dead(study: optuna.Study, name: str, *, storage, storage_url: str, l
             if stamp is not None:
                 if stamp_alive(stamp) is False:
                     dead.append(t)
-            elif grace is not None and t.datetime_start is not None and \
-                    (time.time() - t.datetime_start.timestamp()) > grace:
+            elif t.datetime_start is not None and time.time() - t.datetime_start.timestamp() > unstamped_grace:
                 dead.append(t)  # never stamped: its worker died right after taking it
         if not dead:
             return failed
@@ -479,9 +483,10 @@ def recover_dead(study: optuna.Study, name: str, *, storage, storage_url: str, l
                 continue  # another worker got there first
             failed.append(t.number)
             again = retry_trial(study, t, "its worker died")
-            stamp = t.user_attrs.get("worker") or {}
-            echo(f"  trial {t.number} of {name.rsplit('|', 1)[0]}: {stamp.get('label') or 'a worker'} (pid "
-                 f"{stamp.get('pid', '?')}) died while holding it; "
+            stamp = t.user_attrs.get("worker")
+            who = (f"{stamp.get('label') or 'a worker'} (pid {stamp.get('pid', '?')})" if stamp else
+                   f"a worker that never stamped it within {unstamped_grace:.0f} s")
+            echo(f"  trial {t.number} of {name.rsplit('|', 1)[0]}: {who} died while holding it; "
                  + (f"queued again as trial {again}" if again is not None else "not queued again"))
     return failed
 

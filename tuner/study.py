@@ -295,13 +295,15 @@ def host_key() -> str:
 
 
 def _process_start(pid: int) -> str | None:
-    """The start time of process ``pid`` in clock ticks since boot (None: no such process or no
-    /proc); with the PID it names one process, even after the PID is reused."""
+    """The start time of process ``pid`` in clock ticks since boot (None: no such process, a
+    zombie, or no /proc); with the PID it names one process, even after the PID is reused. A
+    zombie counts as gone: a killed run's orphaned worker stays one where PID 1 does not reap."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]
+    fields = stat.rsplit(")", 1)[1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def worker_stamp(label: str = "") -> dict[str, Any]:

@@ -14,8 +14,9 @@ without splitting a request's work more than that needs. The model, in three ste
    when one-warp tiles cross pages: each token's page ID is then a dependent load that no other
    warp of the program hides, and such a tile counts as one in flight).
 3. Splits (``num_kv_splits``), one wave rule: split each request until its programs reach the
-   target in one wave; long requests that already reach half of it split further, into about
-   FULL_WAVES waves, which balance the SMs; no count leaves a last wave that few programs use
+   target in one wave; long requests that already reach half of it (a quarter for ragged
+   lengths, whose short requests idle SMs at a wave's end) split further, into about FULL_WAVES
+   waves, which balance the SMs; no count leaves a last wave that few programs use
    (under WAVE_SATURATION full), and one-split programs past a wave take the count whose last
    wave is fullest for its cost.
 
@@ -50,9 +51,17 @@ WIDE_TILE_BYTES = 16 * 1024
 SHORT_MAX_TOKENS = 512
 SHORT_TILES_PER_SM = 2
 SHORT_BLOCK_N = 32
-# Long requests: about FULL_WAVES waves of splits of at least MIN_TOKENS_PER_LONG_SPLIT tokens.
+# Long requests: about FULL_WAVES waves of splits of at least MIN_TOKENS_PER_LONG_SPLIT tokens
+# of the mean request, once one split's programs reach 1 / LONG_TARGET_DIVISOR of the target.
+# Ragged batches (longest / mean >= RAGGED_SPREAD) take them from a quarter of the target and
+# down to RAGGED_MIN_TOKENS_PER_LONG_SPLIT: their short requests leave SMs idle at the end of a
+# wave, which later waves fill.
 FULL_WAVES = 4
 MIN_TOKENS_PER_LONG_SPLIT = 1024
+LONG_TARGET_DIVISOR = 2
+RAGGED_SPREAD = 1.1
+RAGGED_MIN_TOKENS_PER_LONG_SPLIT = 256
+RAGGED_LONG_TARGET_DIVISOR = 4
 # One-split programs past one wave: a wave less than WAVE_SATURATION full costs as much as one
 # that full, and each split past the first costs SPLIT_COST more (partials and the merge).
 WAVE_SATURATION = 0.6
@@ -124,16 +133,24 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     splits = min(splits, tiles)
     if splits > 1 and base * splits > resident * sms:  # never spill into a second wave
         splits = max(1, resident * sms // base)
-    if base >= occ.target * sms / 2:
+    divisor, min_tokens = long_split_limits(shape)
+    if base >= occ.target * sms / divisor:
         mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
-        long_splits = min(math.ceil(FULL_WAVES * resident * sms / base),
-                          int(mean_tokens // MIN_TOKENS_PER_LONG_SPLIT))
+        long_splits = min(math.ceil(FULL_WAVES * resident * sms / base), int(mean_tokens // min_tokens))
         while long_splits > 1 and _last_wave(base * long_splits / (resident * sms)) < WAVE_SATURATION:
             long_splits -= 1  # a last wave that few programs use costs a whole wave
         splits = max(splits, long_splits)
     if splits == 1 and base > occ.resident_one_split * sms:
         splits = _fullest_waves(base, occ, tiles, sms)
     return min(splits, MAX_NUM_KV_SPLITS)
+
+
+def long_split_limits(shape: ProblemShape) -> tuple[int, int]:
+    """Where the long-request split starts (programs of one split >= target / divisor) and the
+    fewest tokens of the mean request it leaves a split: (divisor, min_tokens)."""
+    if shape.kv_len_spread >= RAGGED_SPREAD:
+        return RAGGED_LONG_TARGET_DIVISOR, RAGGED_MIN_TOKENS_PER_LONG_SPLIT
+    return LONG_TARGET_DIVISOR, MIN_TOKENS_PER_LONG_SPLIT
 
 
 def _last_wave(waves: float) -> float:
@@ -168,7 +185,7 @@ def scale_splits_to_raggedness(config: KernelConfig, shape: ProblemShape,
     wave the kernel lasts as long as the longest request's split while the bytes are the mean's,
     so splits grow by the spread (at most 4x) while the programs stay within one wave."""
     factor = min(shape.kv_len_spread, 4.0)
-    if factor < 1.1:
+    if factor < RAGGED_SPREAD:
         return config, ()
     base = _base_programs(shape, config.block_m)
     wave = resident_programs_per_sm(config, shape, device, one_split=False) * device.sm_count
