@@ -183,14 +183,17 @@ def scale_splits_to_raggedness(config: KernelConfig, shape: ProblemShape,
                                device: DeviceProperties) -> tuple[KernelConfig, tuple[str, ...]]:
     """More splits for ragged fixed lengths (longest / mean = shape.kv_len_spread >= 1.1): in one
     wave the kernel lasts as long as the longest request's split while the bytes are the mean's,
-    so splits grow by the spread (at most 4x) while the programs stay within one wave."""
+    so splits grow by the spread (at most 4x) while the programs stay within one wave, where that
+    shortens the longest request's split (a request's tiles are split ceil(tiles / S) at a time:
+    past that, more splits only add programs and partials)."""
     factor = min(shape.kv_len_spread, 4.0)
     if factor < RAGGED_SPREAD:
         return config, ()
     base = _base_programs(shape, config.block_m)
     wave = resident_programs_per_sm(config, shape, device, one_split=False) * device.sm_count
     splits = min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * factor))
-    if base * config.num_kv_splits * factor > wave or splits == config.num_kv_splits:
+    tiles = shape.max_visible_tiles(config.block_n)
+    if base * config.num_kv_splits * factor > wave or -(-tiles // splits) >= -(-tiles // config.num_kv_splits):
         return config, ()
     note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: ragged lengths (longest / mean "
             f"= {shape.kv_len_spread:.2f}) in one wave of {wave} programs")
