@@ -457,6 +457,34 @@ def test_recover_fails_a_trial_its_worker_never_stamped(tmp_path, monkeypatch):
 
 
 @cpu_only
+def test_seeding_waits_while_the_creator_has_not_stamped_its_new_study(tmp_path):
+    """Creating a study and stamping it "created_by" are two writes: a worker that loads the
+    study in between must wait for the creator's seeds, not queue its own beside them (four
+    workers on SQLite finished a grid point twice that way)."""
+    import threading
+
+    tuner = _bare_tuner(tmp_path)
+    try:
+        s = optuna.create_study(storage=tuner.storage, study_name="s")  # created, not yet stamped
+
+        def creator():
+            time.sleep(0.5)
+            s.set_user_attr("created_by", study.worker_stamp("creator"))
+            time.sleep(0.5)
+            s.set_user_attr("seeded", 0)
+
+        thread = threading.Thread(target=creator)
+        thread.start()
+        t0 = time.monotonic()
+        tuner._seed(s, None, "s", {}, KernelConfig(), use_grid=True)  # returns once seeded
+        thread.join()
+        assert 0.9 < time.monotonic() - t0 < search.SEED_WAIT_S
+        assert s.get_trials(deepcopy=False) == []
+    finally:
+        tuner.close()
+
+
+@cpu_only
 def test_recover_ignores_trial_records_from_before_a_storage_reset(tmp_path):
     """Trial numbers restart in a new study DB: an old record of trial 0 must not complete the
     new trial 0 that a crash left RUNNING."""

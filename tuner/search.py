@@ -664,7 +664,8 @@ class Tuner:
     def _seed(self, study: optuna.Study, bucket: Bucket, name: str, space, default: KernelConfig,
               use_grid: bool) -> None:
         """Queue a new study's first trials, once: the creator queues them; another worker
-        waits for that, and queues whatever is missing itself if the creator died."""
+        waits for that (also while the creator has not yet stamped the study it just created),
+        and queues whatever is missing itself if the creator died or SEED_WAIT_S passed."""
         ua = study.user_attrs
         if "seeded" in ua:
             return
@@ -676,7 +677,7 @@ class Tuner:
                 if "seeded" in ua or "final" in ua:
                     return
                 creator = ua.get("created_by")
-                if creator is None or stamp_alive(creator) is False:
+                if creator is not None and stamp_alive(creator) is False:
                     break
                 time.sleep(0.2)
         shape = bucket.shape
