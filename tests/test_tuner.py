@@ -17,6 +17,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -461,8 +462,6 @@ def test_seeding_waits_while_the_creator_has_not_stamped_its_new_study(tmp_path)
     """Creating a study and stamping it "created_by" are two writes: a worker that loads the
     study in between must wait for the creator's seeds, not queue its own beside them (four
     workers on SQLite finished a grid point twice that way)."""
-    import threading
-
     tuner = _bare_tuner(tmp_path)
     try:
         s = optuna.create_study(storage=tuner.storage, study_name="s")  # created, not yet stamped
