@@ -4,15 +4,17 @@ Decode is bandwidth-bound, so the config's job is to keep enough K/V bytes in fl
 without splitting a request's work more than that needs. The model, in three steps:
 
 1. Tile family (``tile_family``). One-warp programs of small K/V tiles ("lean") for head dims up
-   to 128 and up to 32 query rows a KV head; four-warp programs of ~16 KiB tiles ("wide") above
-   that; four-warp programs of one short tile each ("short") where the whole problem has too few
-   tiles to occupy the GPU with lean programs.
+   to 128 and up to 32 query rows a KV head, and for larger head dims where 16-token tiles stay
+   inside a page and 16 rows hold a KV head's queries; four-warp programs of ~16 KiB tiles
+   ("wide") otherwise; four-warp programs of one short tile each ("short") where the whole
+   problem has too few tiles to occupy the GPU with lean programs.
 2. Residency and target (``occupancy``). Programs of the family that fit an SM (measured
    registers and shared memory against this GPU's), the K/V bytes each keeps in flight (a
    pipeline of S stages: S - 1 tiles loading, each about half the time), and the target:
-   IN_FLIGHT_BYTES_PER_SM of loads in flight per SM, at most the programs that fit (half of them
-   when one-warp tiles cross pages: each token's page ID is then a dependent load that no other
-   warp of the program hides, and such a tile counts as one in flight).
+   IN_FLIGHT_BYTES_PER_SM of loads in flight per SM, at least FP8_MIN_WARPS_PER_SM one-warp
+   programs of an fp8 cache (their conversion keeps them issuing), at most the programs that
+   fit (half of them when one-warp tiles cross pages: each token's page ID is then a dependent
+   load that no other warp of the program hides, and such a tile counts as one in flight).
 3. Splits (``num_kv_splits``), one wave rule: split each request until its programs reach the
    target in one wave; long requests that already reach half of it (a quarter for ragged
    lengths, whose short requests idle SMs at a wave's end) split further, into about FULL_WAVES
@@ -42,10 +44,19 @@ LEAN_TOKENS = 32
 LEAN_FP8_TILE_BYTES = 2048
 LEAN_MAX_HEAD_DIM = 128
 LEAN_MAX_ROWS = 32
+# Head dims above 128 take lean tiles too where 16-token tiles stay inside a page and one 16-row
+# block holds the query rows: a tile is then one page-ID load and a contiguous block, and a warp's
+# 16 x D accumulators still fit its registers; page-crossing tiles of such heads go wide.
+LEAN_WIDE_HEAD_TOKENS = 16
+LEAN_WIDE_HEAD_MAX_ROWS = 16
 # Below this many query rows a page-aligned 16-bit lean tile keeps one tile in flight (3 stages):
 # a second pays only where each tile carries more rows' math.
 LEAN_DEEP_MIN_ROWS = 5
 WIDE_TILE_BYTES = 16 * 1024
+# A one-warp program of an fp8 cache converts every K/V element before its products, so its
+# warp is busy issuing rather than waiting on loads: an SM needs this many such warps (two per
+# scheduler) whatever bytes each keeps in flight.
+FP8_MIN_WARPS_PER_SM = 8
 # "short": at most this many visible tokens, and fewer lean tiles in the whole problem than
 # SHORT_TILES_PER_SM per SM.
 SHORT_MAX_TOKENS = 512
@@ -85,12 +96,18 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
     """Step 1: the family's tile, warps and stages (num_kv_splits left at 1)."""
     block_m = dot_block_m(shape.rows_per_kv_head)
     kv_bytes, block_d = shape.kv_dtype.itemsize, shape.block_d
-    if block_d > LEAN_MAX_HEAD_DIM or shape.rows_per_kv_head > LEAN_MAX_ROWS:
+    page = shape.page_size
+    if block_d > LEAN_MAX_HEAD_DIM:
+        lean = shape.rows_per_kv_head <= LEAN_WIDE_HEAD_MAX_ROWS and page % LEAN_WIDE_HEAD_TOKENS == 0
+    else:
+        lean = shape.rows_per_kv_head <= LEAN_MAX_ROWS
+    if not lean:
         block_n = min(64 if block_d <= LEAN_MAX_HEAD_DIM else 128,
                       max(16, WIDE_TILE_BYTES // (block_d * kv_bytes)))
         return KernelConfig(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2), "wide"
-    page = shape.page_size
-    if kv_bytes == 1:
+    if block_d > LEAN_MAX_HEAD_DIM:
+        block_n, stages = LEAN_WIDE_HEAD_TOKENS, 5
+    elif kv_bytes == 1:
         block_n, stages = max(16, LEAN_FP8_TILE_BYTES // block_d), 5
         if page % block_n:  # crossing pages: page-ID loads, not the conversion, set a tile's cost
             block_n = LEAN_TOKENS
@@ -118,6 +135,8 @@ def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
     tiles_in_flight = (config.num_stages - 1) / 2 if hidden else 1
     tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize  # a K and a V tile
     wanted = IN_FLIGHT_BYTES_PER_SM / (tiles_in_flight * tile_bytes)
+    if shape.kv_dtype.itemsize == 1 and config.num_warps == 1 and hidden:
+        wanted = max(wanted, FP8_MIN_WARPS_PER_SM)  # conversion issue, not bytes, sets the count
     target = max(1.0, min(wanted, resident if hidden else resident / 2))
     return Occupancy(config, family, _base_programs(shape, config.block_m), one_split, resident, target)
 
