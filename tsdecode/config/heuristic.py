@@ -12,9 +12,10 @@ without splitting a request's work more than that needs. The model, in three ste
    registers and shared memory against this GPU's), the K/V bytes each keeps in flight (a
    pipeline of S stages: S - 1 tiles loading, each about half the time), and the target:
    IN_FLIGHT_BYTES_PER_SM of loads in flight per SM, at least FP8_MIN_WARPS_PER_SM one-warp
-   programs of an fp8 cache (their conversion keeps them issuing), at most the programs that
-   fit (half of them when one-warp tiles cross pages: each token's page ID is then a dependent
-   load that no other warp of the program hides, and such a tile counts as one in flight).
+   programs of an fp8 cache whose tiles stay inside pages (their conversion keeps them issuing),
+   at most the programs that fit (half of them when one-warp tiles cross pages: each token's page
+   ID is then a dependent load that no other warp of the program hides, and such a tile counts
+   as one in flight).
 3. Splits (``num_kv_splits``), one wave rule: split each request until its programs reach the
    target in one wave; long requests that already reach half of it (a quarter for ragged
    lengths, whose short requests idle SMs at a wave's end) split further, into about FULL_WAVES
