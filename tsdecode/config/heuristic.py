@@ -17,11 +17,12 @@ without splitting a request's work more than that needs. The model, in three ste
    ID is then a dependent load that no other warp of the program hides, and such a tile counts
    as one in flight).
 3. Splits (``num_kv_splits``), one wave rule: split each request until its programs reach the
-   target in one wave; long requests that already reach half of it (a quarter for ragged
+   target in one wave, an fp8 cache's no further than its partial outputs are worth
+   (``partials_bound``); long requests that already reach half of it (a quarter for ragged
    lengths, whose short requests idle SMs at a wave's end) split further, into about FULL_WAVES
-   waves, which balance the SMs; no count leaves a last wave that few programs use
-   (under WAVE_SATURATION full), and one-split programs past a wave take the count whose last
-   wave is fullest for its cost.
+   waves, which balance the SMs; no count leaves a last wave that few programs use (under
+   WAVE_SATURATION full), and one-split programs past a wave take the count whose last wave is
+   fullest for its cost.
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -79,6 +80,10 @@ RAGGED_LONG_TARGET_DIVISOR = 4
 WAVE_SATURATION = 0.6
 SPLIT_COST = 0.03
 MAX_MEND_SPLITS = 64
+# Each split of a request's KV head writes its query rows' fp32 partial outputs, which the merge
+# reads back; PARTIAL_COST weighs a partial byte against a K/V byte (its write, the merge's read and
+# the store its program ends on), fitted to H200 sweeps of fp8 caches (docs/design.md).
+PARTIAL_COST = 8
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,8 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     if occ.family == "short":  # one tile a split, or one split when a tile holds it all
         return 1 if tiles == 1 else tiles
     splits = max(1, math.floor(occ.target * sms / base + 0.5))
+    if splits <= tiles:  # the target is reachable: splits past the partials bound only add partials
+        splits = min(splits, partials_bound(shape, splits))
     splits = min(splits, tiles)
     if splits > 1 and base * splits > resident * sms:  # never spill into a second wave
         splits = max(1, resident * sms // base)
@@ -171,6 +178,23 @@ def long_split_limits(shape: ProblemShape) -> tuple[int, int]:
     if shape.kv_len_spread >= RAGGED_SPREAD:
         return RAGGED_LONG_TARGET_DIVISOR, RAGGED_MIN_TOKENS_PER_LONG_SPLIT
     return LONG_TARGET_DIVISOR, MIN_TOKENS_PER_LONG_SPLIT
+
+
+def partials_bound(shape: ProblemShape, target_splits: int) -> int:
+    """The most splits worth their partials for an fp8 cache (any count for a 16-bit one).
+
+    A request's KV head holds ``kv`` K/V bytes; split ``s`` ways its programs reach s / S of the
+    bandwidth that the target's ``S`` splits reach, and each split adds ``p`` bytes of partials
+    (query rows x head dim x 4) at PARTIAL_COST. Time ~ kv * S / s + PARTIAL_COST * p * s is least
+    at s = sqrt(kv * S / (PARTIAL_COST * p)). An fp8 cache's K/V bytes are half a 16-bit one's for
+    the same partials, and its target counts conversion issue rather than bytes, so the bound
+    decides fp8 counts; on the same sweeps it made as many 16-bit picks slower as faster."""
+    if shape.kv_dtype.itemsize != 1:
+        return target_splits
+    mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
+    kv = 2 * mean_tokens * shape.head_dim * shape.kv_dtype.itemsize
+    partials = shape.rows_per_kv_head * shape.head_dim * 4
+    return max(1, math.ceil(math.sqrt(kv * target_splits / (PARTIAL_COST * partials))))
 
 
 def _last_wave(waves: float) -> float:
@@ -205,7 +229,7 @@ def scale_splits_to_raggedness(config: KernelConfig, shape: ProblemShape,
     wave the kernel lasts as long as the longest request's split while the bytes are the mean's,
     so splits grow by the spread (at most 4x) while the programs stay within one wave, where that
     shortens the longest request's split (a request's tiles are split ceil(tiles / S) at a time:
-    past that, more splits only add programs and partials)."""
+    past that, more splits only add programs and partials) and stays within ``partials_bound``."""
     factor = min(shape.kv_len_spread, 4.0)
     if factor < RAGGED_SPREAD:
         return config, ()
@@ -214,6 +238,8 @@ def scale_splits_to_raggedness(config: KernelConfig, shape: ProblemShape,
     splits = min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * factor))
     tiles = shape.max_visible_tiles(config.block_n)
     if base * config.num_kv_splits * factor > wave or -(-tiles // splits) >= -(-tiles // config.num_kv_splits):
+        return config, ()
+    if splits > partials_bound(shape, splits):  # more programs, each with a partial, for the tail
         return config, ()
     note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: ragged lengths (longest / mean "
             f"= {shape.kv_len_spread:.2f}) in one wave of {wave} programs")
@@ -237,5 +263,5 @@ def _base_programs(shape: ProblemShape, block_m: int) -> int:
     return shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // block_m)
 
 
-__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "heuristic_config",
+__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "partials_bound", "heuristic_config",
            "scale_splits_to_raggedness", "scale_splits_to_batch"]
