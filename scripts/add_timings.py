@@ -1,9 +1,13 @@
-"""Add a ``sweep_configs.py`` CSV to the H200 timings the config model's regression guard reads
-(``tests/data/h200_timings.csv.gz``), under a source letter: one row per (shape, config), the
-full-length re-timing where the sweep made one, else the short one. Rows of a (source, shape,
-config) the file has already are kept as they are.
+"""Add a ``sweep_configs.py`` CSV, or the trials CSV of a ``tsdecode-tune --grid-file`` run, to the
+H200 timings the config model's regression guard reads (``tests/data/h200_timings.csv.gz``), under
+a source letter: one row per (shape, config), the full-length re-timing where the sweep made one
+(a tune's: the median of its interleaved re-timing rounds), else the short one. Rows of a (source,
+shape, config) the file has already are kept as they are. A tune's shapes are read from their
+names (``B4_L1800_H112x16_D64_P2_float8_e4m3fn_ragged``: dense masks only, one shape a bucket) and
+their length spread from the lengths the tuner drew (``tuner.measure.seq_lens_for``, seed 0).
 
 Usage: python scripts/add_timings.py --src D sweep.csv [more.csv ...]
+       python scripts/add_timings.py --src J reports/.../tune_random_seed17_trials.csv.gz
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import argparse
 import csv
 import gzip
 import io
+import re
+import statistics
+import sys
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "h200_timings.csv.gz"
@@ -36,6 +43,53 @@ def sweep_rows(path: str, src: str) -> list[dict]:
     return [row for _, row in best.values()]
 
 
+NAME = re.compile(r"B(\d+)_L(\d+)_H(\d+)x(\d+)_D(\d+)_P(\d+)_([a-z0-9_]+?)(_ragged)?$")
+
+
+def tune_rows(path: str, src: str) -> list[dict]:
+    """One row per (shape, config) of a tuner trials CSV: re-timed median, else the trial's time."""
+    sys.path.insert(0, str(DATA.parents[2]))
+    import torch
+
+    from tuner.grids import ShapeSpec
+    from tuner.measure import seq_lens_for
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
+        records = [r for r in csv.DictReader(f) if r["state"] in ("COMPLETE", "RETIME") and r["time_us"]]
+    times: dict[tuple, tuple[bool, list[float]]] = {}
+    for r in records:
+        key = (r["specs"],) + tuple(r[k] for k in CONFIG_FIELDS)
+        final = r["state"] == "RETIME"
+        if key not in times or (final and not times[key][0]):
+            times[key] = (final, [])
+        if final == times[key][0]:
+            times[key][1].append(float(r["time_us"]))
+    rows, spreads = [], {}
+    for (name, *config), (_, values) in times.items():
+        m = NAME.match(name)
+        if not m:
+            raise SystemExit(f"{path}: shape {name!r} is not one dense shape of a grid-file tune")
+        b, length, hq, hkv, d, page = map(int, m.groups()[:6])
+        if name not in spreads:
+            spec = ShapeSpec(batch_size=b, kv_len=length, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             page_size=page, kv_dtype=m.group(7), ragged=bool(m.group(8)))
+            lens = seq_lens_for(spec, torch.Generator().manual_seed(0))
+            spreads[name] = max(lens) * len(lens) / sum(lens)
+        rows.append(dict(src=src, shape=name, batch_size=b, max_kv_len=length, num_qo_heads=hq,
+                         num_kv_heads=hkv, head_dim=d, page_size=page, kv_dtype=m.group(7), window_left=-1,
+                         mask_kind="dense", spread=f"{spreads[name]:.4g}",
+                         **dict(zip(CONFIG_FIELDS, config)), time_us=f"{statistics.median(values):.3f}"))
+    return rows
+
+
+def read_rows(path: str, src: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", newline="") as f:
+        header = f.readline()
+    return tune_rows(path, src) if "specs" in header.split(",") else sweep_rows(path, src)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--src", required=True, help="the source letter of the new rows")
@@ -47,7 +101,7 @@ def main(argv=None) -> int:
     rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
     fields = list(rows[0])
     have = {(r["src"], r["shape"]) + tuple(r[k] for k in CONFIG_FIELDS) for r in rows}
-    new = [r for path in args.csv for r in sweep_rows(path, args.src)
+    new = [r for path in args.csv for r in read_rows(path, args.src)
            if (r["src"], r["shape"]) + tuple(r[k] for k in CONFIG_FIELDS) not in have]
     out = io.StringIO()
     out.writelines(comments)
