@@ -17,12 +17,14 @@ without splitting a request's work more than that needs. The model, in three ste
    ID is then a dependent load that no other warp of the program hides, and such a tile counts
    as one in flight).
 3. Splits (``num_kv_splits``), one wave rule: split each request until its programs reach the
-   target in one wave, an fp8 cache's no further than its partial outputs are worth
-   (``partials_bound``); long requests that already reach half of it (a quarter for ragged
+   target in one wave, an fp8 cache's one-warp tiles inside pages no further than their partial
+   outputs are worth (``partials_bound``); long requests that already reach half of it (a quarter for ragged
    lengths, whose short requests idle SMs at a wave's end) split further, into about FULL_WAVES
    waves, which balance the SMs; no count leaves a last wave that few programs use (under
-   WAVE_SATURATION full), and one-split programs past a wave take the count whose last wave is
-   fullest for its cost.
+   WAVE_SATURATION full). One-split programs past a wave, and counts that spill where the count
+   fitting one wave would leave it barely used, take the count whose waves cost least: a last
+   wave costs at least WAVE_SATURATION of a full one, or the target's share of what fits where
+   that is less (a wave holding the target's programs keeps the loads in flight).
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -75,8 +77,9 @@ LONG_TARGET_DIVISOR = 2
 RAGGED_SPREAD = 1.1
 RAGGED_MIN_TOKENS_PER_LONG_SPLIT = 256
 RAGGED_LONG_TARGET_DIVISOR = 4
-# One-split programs past one wave: a wave less than WAVE_SATURATION full costs as much as one
-# that full, and each split past the first costs SPLIT_COST more (partials and the merge).
+# Programs past one wave: a wave less than WAVE_SATURATION full costs as much as one that full
+# (less where the target is a smaller share of the programs that fit, ``_saturation``), and
+# each split past the first costs SPLIT_COST more (partials and the merge).
 WAVE_SATURATION = 0.6
 SPLIT_COST = 0.03
 MAX_MEND_SPLITS = 64
@@ -155,11 +158,14 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     if occ.family == "short":  # one tile a split, or one split when a tile holds it all
         return 1 if tiles == 1 else tiles
     splits = max(1, math.floor(occ.target * sms / base + 0.5))
-    if splits <= tiles:  # the target is reachable: splits past the partials bound only add partials
+    inside_pages = occ.config.num_warps == 1 and shape.page_size % occ.config.block_n == 0
+    if inside_pages and splits <= tiles:  # a target of loads and issue, reachable: partials decide
         splits = min(splits, partials_bound(shape, splits))
     splits = min(splits, tiles)
     if splits > 1 and base * splits > resident * sms:  # never spill into a second wave
         splits = max(1, resident * sms // base)
+        if base * splits < WAVE_SATURATION * resident * sms:  # unless that leaves it barely used
+            splits = _fullest_waves(base, occ, tiles, sms)
     divisor, min_tokens = long_split_limits(shape)
     if base >= occ.target * sms / divisor:
         mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
@@ -188,7 +194,10 @@ def partials_bound(shape: ProblemShape, target_splits: int) -> int:
     (query rows x head dim x 4) at PARTIAL_COST. Time ~ kv * S / s + PARTIAL_COST * p * s is least
     at s = sqrt(kv * S / (PARTIAL_COST * p)). An fp8 cache's K/V bytes are half a 16-bit one's for
     the same partials, and its target counts conversion issue rather than bytes, so the bound
-    decides fp8 counts; on the same sweeps it made as many 16-bit picks slower as faster."""
+    decides fp8 counts; on the same sweeps it made as many 16-bit picks slower as faster. The one
+    wave rule applies it to one-warp tiles inside pages only: the targets of page-crossing and
+    four-warp tiles are capped by what fits, below what their loads ask, and their sweeps wanted
+    every split of it."""
     if shape.kv_dtype.itemsize != 1:
         return target_splits
     mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
@@ -202,14 +211,22 @@ def _last_wave(waves: float) -> float:
     return 1.0 if waves <= 1 else waves - math.ceil(waves) + 1
 
 
+def _saturation(occ: Occupancy, splits: int) -> float:
+    """The fill from which a wave costs in proportion to its programs: WAVE_SATURATION, or the
+    target's share of the programs that fit where that is less (a wave that holds the target's
+    programs keeps the loads in flight)."""
+    resident = occ.resident_one_split if splits == 1 else occ.resident
+    return min(WAVE_SATURATION, occ.target / resident)
+
+
 def _fullest_waves(base: int, occ: Occupancy, tiles: int, sms: int) -> int:
     """The split count of lowest cost for programs past one wave: waves started over waves of
-    work, each wave counted at least WAVE_SATURATION full, times SPLIT_COST per extra split."""
+    work, the last counted at least ``_saturation`` full, times SPLIT_COST per extra split."""
     best, best_cost = 1, math.inf
     for splits in range(1, min(tiles, MAX_MEND_SPLITS) + 1):
         per_wave = (occ.resident_one_split if splits == 1 else occ.resident) * sms
         waves = base * splits / per_wave
-        started = math.ceil(waves) - 1 + max(_last_wave(waves), WAVE_SATURATION)
+        started = math.ceil(waves) - 1 + max(_last_wave(waves), _saturation(occ, splits))
         cost = started / waves * (1 + SPLIT_COST * (splits - 1))
         if cost < best_cost - 1e-9:
             best, best_cost = splits, cost
