@@ -193,11 +193,10 @@ def partials_bound(shape: ProblemShape, target_splits: int) -> int:
     bandwidth that the target's ``S`` splits reach, and each split adds ``p`` bytes of partials
     (query rows x head dim x 4) at PARTIAL_COST. Time ~ kv * S / s + PARTIAL_COST * p * s is least
     at s = sqrt(kv * S / (PARTIAL_COST * p)). An fp8 cache's K/V bytes are half a 16-bit one's for
-    the same partials, and its target counts conversion issue rather than bytes, so the bound
-    decides fp8 counts; on the same sweeps it made as many 16-bit picks slower as faster. The one
-    wave rule applies it to one-warp tiles inside pages only: the targets of page-crossing and
-    four-warp tiles are capped by what fits, below what their loads ask, and their sweeps wanted
-    every split of it."""
+    the same partials, so the bound decides fp8 counts; the H200 timings do not yet decide it for
+    16-bit caches. The one wave rule applies it to one-warp tiles inside pages only: the targets
+    of page-crossing and four-warp tiles are already capped by what fits, and their tunes wanted
+    every split of them."""
     if shape.kv_dtype.itemsize != 1:
         return target_splits
     mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
