@@ -18,13 +18,13 @@ without splitting a request's work more than that needs. The model, in three ste
    as one in flight).
 3. Splits (``num_kv_splits``), one wave rule: split each request until its programs reach the
    target in one wave, an fp8 cache's one-warp tiles inside pages no further than their partial
-   outputs are worth (``partials_bound``); long requests that already reach half of it (a quarter for ragged
-   lengths, whose short requests idle SMs at a wave's end) split further, into about FULL_WAVES
-   waves, which balance the SMs; no count leaves a last wave that few programs use (under
-   WAVE_SATURATION full). One-split programs past a wave, and counts that spill where the count
-   fitting one wave would leave it barely used, take the count whose waves cost least: a last
-   wave costs at least WAVE_SATURATION of a full one, or the target's share of what fits where
-   that is less (a wave holding the target's programs keeps the loads in flight).
+   outputs are worth (``partials_bound``); long requests that already reach half of it (a quarter
+   for ragged lengths, whose short requests idle SMs at a wave's end) split further, into about
+   FULL_WAVES waves, which balance the SMs; no count leaves a last wave that few programs use
+   (under WAVE_SATURATION full). One-split programs past a wave, and counts that spill where the
+   count fitting one wave would leave it barely used, take the count whose waves cost least: a last
+   wave costs at least WAVE_SATURATION of a full one, or the target's share of what fits where that
+   is less (a wave holding the target's programs keeps the loads in flight).
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -84,8 +84,8 @@ WAVE_SATURATION = 0.6
 SPLIT_COST = 0.03
 MAX_MEND_SPLITS = 64
 # Each split of a request's KV head writes its query rows' fp32 partial outputs, which the merge
-# reads back; PARTIAL_COST weighs a partial byte against a K/V byte (its write, the merge's read and
-# the store its program ends on), fitted to H200 sweeps of fp8 caches (docs/design.md).
+# reads back; PARTIAL_COST weighs a partial byte against a K/V byte, fitted to H200 timings of fp8
+# caches (docs/design.md).
 PARTIAL_COST = 8
 
 
@@ -159,7 +159,7 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
         return 1 if tiles == 1 else tiles
     splits = max(1, math.floor(occ.target * sms / base + 0.5))
     inside_pages = occ.config.num_warps == 1 and shape.page_size % occ.config.block_n == 0
-    if inside_pages and splits <= tiles:  # a target of loads and issue, reachable: partials decide
+    if inside_pages and splits <= tiles:  # the target fits the tiles: no more than partials are worth
         splits = min(splits, partials_bound(shape, splits))
     splits = min(splits, tiles)
     if splits > 1 and base * splits > resident * sms:  # never spill into a second wave
@@ -255,7 +255,7 @@ def scale_splits_to_raggedness(config: KernelConfig, shape: ProblemShape,
     tiles = shape.max_visible_tiles(config.block_n)
     if base * config.num_kv_splits * factor > wave or -(-tiles // splits) >= -(-tiles // config.num_kv_splits):
         return config, ()
-    if splits > partials_bound(shape, splits):  # more programs, each with a partial, for the tail
+    if splits > partials_bound(shape, splits):  # the added partials cost more than the tail saves
         return config, ()
     note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: ragged lengths (longest / mean "
             f"= {shape.kv_len_spread:.2f}) in one wave of {wave} programs")
@@ -279,5 +279,5 @@ def _base_programs(shape: ProblemShape, block_m: int) -> int:
     return shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // block_m)
 
 
-__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "partials_bound", "heuristic_config",
-           "scale_splits_to_raggedness", "scale_splits_to_batch"]
+__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "partials_bound",
+           "heuristic_config", "scale_splits_to_raggedness", "scale_splits_to_batch"]
