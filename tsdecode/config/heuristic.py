@@ -15,16 +15,21 @@ without splitting a request's work more than that needs. The model, in three ste
    programs of an fp8 cache whose tiles stay inside pages (their conversion keeps them issuing),
    at most the programs that fit (half of them when one-warp tiles cross pages: each token's page
    ID is then a dependent load that no other warp of the program hides, and such a tile counts
-   as one in flight).
+   as one in flight). Page-crossing fp8 programs also have an issue target, the
+   FP8_MIN_WARPS_PER_SM that keep the schedulers converting.
 3. Splits (``num_kv_splits``), one wave rule: split each request until its programs reach the
-   target in one wave, an fp8 cache's one-warp tiles inside pages no further than their partial
-   outputs are worth (``partials_bound``); long requests that already reach half of it (a quarter
-   for ragged lengths, whose short requests idle SMs at a wave's end) split further, into about
-   FULL_WAVES waves, which balance the SMs; no count leaves a last wave that few programs use
-   (under WAVE_SATURATION full). One-split programs past a wave, and counts that spill where the
-   count fitting one wave would leave it barely used, take the count whose waves cost least: a last
-   wave costs at least WAVE_SATURATION of a full one, or the target's share of what fits where that
-   is less (a wave holding the target's programs keeps the loads in flight).
+   target in one wave (page-crossing fp8 ones the issue target, as far as their partial outputs are
+   worth), an fp8 cache's one-warp tiles inside pages no further than their partial outputs are
+   worth (``partials_bound``); long requests that already reach half of it (a quarter for ragged
+   lengths, whose short requests idle SMs at a wave's end) split further, into about FULL_WAVES
+   waves, which balance the SMs; no count leaves a last wave that few programs use (under
+   WAVE_SATURATION full). One-split programs past a wave, and counts that spill where the count
+   fitting one wave would leave it barely used, take the count whose waves cost least: a last wave
+   costs at least WAVE_SATURATION of a full one, or the target's share of what fits where that is
+   less (a wave holding the target's programs keeps the loads in flight). Last, a one-warp count
+   above one, other than the long requests', must save more time than its merge pass costs
+   (``_time``: each wave lasts the longer of a program's chain of tiles and its busiest SM's K/V
+   bytes).
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -87,6 +92,9 @@ MAX_MEND_SPLITS = 64
 # reads back; PARTIAL_COST weighs a partial byte against a K/V byte, fitted to H200 timings of fp8
 # caches (docs/design.md).
 PARTIAL_COST = 8
+# A split count adds the merge pass, a second kernel whose start and drain cost about the time an
+# SM takes to stream MERGE_PASS_BYTES_PER_SM (fitted to H200 timings of short problems).
+MERGE_PASS_BYTES_PER_SM = 192 * 1024
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,8 @@ class Occupancy:
     resident_one_split: int  # programs per SM that fit at once, direct-output kernel
     resident: int  # the same for the split kernel
     target: float  # programs per SM that keep the loads in flight
+    tiles_in_flight: float  # K/V tiles a program keeps loading
+    issue_target: float  # programs per SM that keep the schedulers issuing (fp8 one-warp), else target
 
 
 def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelConfig, str]:
@@ -144,10 +154,13 @@ def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
     tiles_in_flight = (config.num_stages - 1) / 2 if hidden else 1
     tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize  # a K and a V tile
     wanted = IN_FLIGHT_BYTES_PER_SM / (tiles_in_flight * tile_bytes)
-    if shape.kv_dtype.itemsize == 1 and config.num_warps == 1 and hidden:
+    fp8_one_warp = shape.kv_dtype.itemsize == 1 and config.num_warps == 1
+    if fp8_one_warp and hidden:
         wanted = max(wanted, FP8_MIN_WARPS_PER_SM)  # conversion issue, not bytes, sets the count
     target = max(1.0, min(wanted, resident if hidden else resident / 2))
-    return Occupancy(config, family, _base_programs(shape, config.block_m), one_split, resident, target)
+    issue_target = max(target, min(FP8_MIN_WARPS_PER_SM, resident)) if fp8_one_warp else target
+    return Occupancy(config, family, _base_programs(shape, config.block_m), one_split, resident, target,
+                     tiles_in_flight, issue_target)
 
 
 def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) -> int:
@@ -158,6 +171,9 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     if occ.family == "short":  # one tile a split, or one split when a tile holds it all
         return 1 if tiles == 1 else tiles
     splits = max(1, math.floor(occ.target * sms / base + 0.5))
+    if occ.issue_target > occ.target:  # page-crossing fp8: the schedulers' warps, where partials allow
+        issuing = max(1, math.floor(occ.issue_target * sms / base + 0.5))
+        splits = max(splits, min(issuing, partials_bound(shape, issuing)))
     inside_pages = occ.config.num_warps == 1 and shape.page_size % occ.config.block_n == 0
     if inside_pages and splits <= tiles:  # the target fits the tiles: no more than partials are worth
         splits = min(splits, partials_bound(shape, splits))
@@ -167,15 +183,22 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
         if base * splits < WAVE_SATURATION * resident * sms:  # unless that leaves it barely used
             splits = _fullest_waves(base, occ, tiles, sms)
     divisor, min_tokens = long_split_limits(shape)
+    balanced = False  # split into waves that balance the SMs, which _time does not count
     if base >= occ.target * sms / divisor:
         mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
         long_splits = min(math.ceil(FULL_WAVES * resident * sms / base), int(mean_tokens // min_tokens))
         while long_splits > 1 and _last_wave(base * long_splits / (resident * sms)) < WAVE_SATURATION:
             long_splits -= 1  # a last wave that few programs use costs a whole wave
+        balanced = long_splits > splits
         splits = max(splits, long_splits)
     if splits == 1 and base > occ.resident_one_split * sms:
         splits = _fullest_waves(base, occ, tiles, sms)
-    return min(splits, MAX_NUM_KV_SPLITS)
+    splits = min(splits, MAX_NUM_KV_SPLITS)
+    one_warp = occ.config.num_warps == 1  # _time's chain: four warps overlap their tiles' loads
+    if splits > 1 and one_warp and not balanced:
+        if _time(shape, occ, 1, sms) <= _time(shape, occ, splits, sms):
+            splits = 1  # the split saves less time than its merge pass costs
+    return splits
 
 
 def long_split_limits(shape: ProblemShape) -> tuple[int, int]:
@@ -194,15 +217,33 @@ def partials_bound(shape: ProblemShape, target_splits: int) -> int:
     (query rows x head dim x 4) at PARTIAL_COST. Time ~ kv * S / s + PARTIAL_COST * p * s is least
     at s = sqrt(kv * S / (PARTIAL_COST * p)). An fp8 cache's K/V bytes are half a 16-bit one's for
     the same partials, so the bound decides fp8 counts; the H200 timings do not yet decide it for
-    16-bit caches. The one wave rule applies it to one-warp tiles inside pages only: the targets
-    of page-crossing and four-warp tiles are already capped by what fits, and their tunes wanted
-    every split of them."""
+    16-bit caches. The one wave rule applies it to one-warp tiles inside pages, and to the splits
+    a page-crossing fp8 issue target adds: the targets of page-crossing and four-warp tiles are
+    already capped by what fits, and their tunes wanted every split of them."""
     if shape.kv_dtype.itemsize != 1:
         return target_splits
     mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
     kv = 2 * mean_tokens * shape.head_dim * shape.kv_dtype.itemsize
     partials = shape.rows_per_kv_head * shape.head_dim * 4
     return max(1, math.ceil(math.sqrt(kv * target_splits / (PARTIAL_COST * partials))))
+
+
+def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
+    """The kernel time of ``splits`` splits, in bytes an SM streams meanwhile. Each wave lasts the
+    longer of a program's chain of the longest request's tiles (a tile takes a load latency,
+    IN_FLIGHT_BYTES_PER_SM, over the tiles the program keeps in flight) and its busiest SM's K/V
+    bytes of the mean request; a split count adds the merge pass."""
+    config = occ.config
+    tiles = shape.max_visible_tiles(config.block_n)
+    tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize
+    split_bytes = math.ceil(tiles / max(1.0, shape.kv_len_spread) / splits) * tile_bytes
+    chain = -(-tiles // splits) * IN_FLIGHT_BYTES_PER_SM / occ.tiles_in_flight
+    per_wave = (occ.resident_one_split if splits == 1 else occ.resident) * sms
+    full_waves, last = divmod(occ.base_programs * splits, per_wave)
+    time = full_waves * max(chain, per_wave // sms * split_bytes)
+    if last:
+        time += max(chain, -(-last // sms) * split_bytes)
+    return time + (MERGE_PASS_BYTES_PER_SM if splits > 1 else 0)
 
 
 def _last_wave(waves: float) -> float:
