@@ -27,9 +27,10 @@ without splitting a request's work more than that needs. The model, in three ste
    fitting one wave would leave it barely used, take the count whose waves cost least: a last wave
    costs at least WAVE_SATURATION of a full one, or the target's share of what fits where that is
    less (a wave holding the target's programs keeps the loads in flight). Last, a one-warp count
-   above one, other than the long requests', must save more time than its merge pass costs
-   (``_time``: each wave lasts the longer of a program's chain of tiles and its busiest SM's K/V
-   bytes).
+   above one, other than the long requests', must save more time than its merge pass and partial
+   outputs cost, and where the fp8 minimum raised the target, the count from the loads' own target
+   up that takes least time wins (``_time``: each wave lasts the longer of a program's chain of
+   tiles and its busiest SM's K/V bytes).
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -108,6 +109,7 @@ class Occupancy:
     resident: int  # the same for the split kernel
     target: float  # programs per SM that keep the loads in flight
     tiles_in_flight: float  # K/V tiles a program keeps loading
+    bytes_target: float  # programs per SM whose loads alone keep IN_FLIGHT_BYTES_PER_SM in flight
     issue_target: float  # programs per SM that keep the schedulers issuing (fp8 one-warp), else target
 
 
@@ -154,13 +156,15 @@ def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
     tiles_in_flight = (config.num_stages - 1) / 2 if hidden else 1
     tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize  # a K and a V tile
     wanted = IN_FLIGHT_BYTES_PER_SM / (tiles_in_flight * tile_bytes)
+    fits = resident if hidden else resident / 2
+    bytes_target = max(1.0, min(wanted, fits))
     fp8_one_warp = shape.kv_dtype.itemsize == 1 and config.num_warps == 1
     if fp8_one_warp and hidden:
         wanted = max(wanted, FP8_MIN_WARPS_PER_SM)  # conversion issue, not bytes, sets the count
-    target = max(1.0, min(wanted, resident if hidden else resident / 2))
+    target = max(1.0, min(wanted, fits))
     issue_target = max(target, min(FP8_MIN_WARPS_PER_SM, resident)) if fp8_one_warp else target
     return Occupancy(config, family, _base_programs(shape, config.block_m), one_split, resident, target,
-                     tiles_in_flight, issue_target)
+                     tiles_in_flight, bytes_target, issue_target)
 
 
 def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) -> int:
@@ -196,8 +200,11 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     splits = min(splits, MAX_NUM_KV_SPLITS)
     one_warp = occ.config.num_warps == 1  # _time's chain: four warps overlap their tiles' loads
     if splits > 1 and one_warp and not balanced:
-        if _time(shape, occ, 1, sms) <= _time(shape, occ, splits, sms):
-            splits = 1  # the split saves less time than its merge pass costs
+        # One split (no merge pass) or, where the fp8 minimum raised the target, any count from the
+        # loads' own: the least time, the fewest splits on a tie.
+        fewest = max(1, math.floor(occ.bytes_target * sms / base + 0.5)) if occ.target > occ.bytes_target else splits
+        counts = [1, *range(min(fewest, splits), splits + 1)]
+        splits = min(counts, key=lambda count: _time(shape, occ, count, sms))
     return splits
 
 
@@ -232,7 +239,8 @@ def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
     """The kernel time of ``splits`` splits, in bytes an SM streams meanwhile. Each wave lasts the
     longer of a program's chain of the longest request's tiles (a tile takes a load latency,
     IN_FLIGHT_BYTES_PER_SM, over the tiles the program keeps in flight) and its busiest SM's K/V
-    bytes of the mean request; a split count adds the merge pass."""
+    bytes of the mean request; a split count adds the merge pass and its busiest SM's partial
+    outputs, written and read back."""
     config = occ.config
     tiles = shape.max_visible_tiles(config.block_n)
     tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize
@@ -243,7 +251,11 @@ def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
     time = full_waves * max(chain, per_wave // sms * split_bytes)
     if last:
         time += max(chain, -(-last // sms) * split_bytes)
-    return time + (MERGE_PASS_BYTES_PER_SM if splits > 1 else 0)
+    if splits == 1:
+        return time
+    # Each program writes its query rows' fp32 partial outputs, which the merge pass reads back.
+    partial_bytes = 2 * -(-occ.base_programs * splits // sms) * shape.rows_per_kv_head * shape.head_dim * 4
+    return time + MERGE_PASS_BYTES_PER_SM + partial_bytes
 
 
 def _last_wave(waves: float) -> float:
