@@ -93,9 +93,12 @@ MAX_MEND_SPLITS = 64
 # reads back; PARTIAL_COST weighs a partial byte against a K/V byte, fitted to H200 timings of fp8
 # caches (docs/design.md).
 PARTIAL_COST = 8
-# A split count adds the merge pass, a second kernel whose start and drain cost about the time an
-# SM takes to stream MERGE_PASS_BYTES_PER_SM (fitted to H200 timings of short problems).
-MERGE_PASS_BYTES_PER_SM = 192 * 1024
+# A split count adds the merge pass, a second kernel of one program per query row and head: its
+# start and drain cost about the time an SM takes to stream MERGE_PASS_BYTES_PER_SM, and each of
+# its programs on the busiest SM MERGE_ROW_BYTES (a short chain of dependent loads; both fitted to
+# H200 timings of short problems).
+MERGE_PASS_BYTES_PER_SM = 128 * 1024
+MERGE_ROW_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -239,8 +242,9 @@ def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
     """The kernel time of ``splits`` splits, in bytes an SM streams meanwhile. Each wave lasts the
     longer of a program's chain of the longest request's tiles (a tile takes a load latency,
     IN_FLIGHT_BYTES_PER_SM, over the tiles the program keeps in flight) and its busiest SM's K/V
-    bytes of the mean request; a split count adds the merge pass and its busiest SM's partial
-    outputs, written and read back."""
+    bytes of the mean request; a split count adds the merge pass (its start, and one program per
+    query row and head, the busiest SM's share of them) and its busiest SM's partial outputs,
+    written and read back."""
     config = occ.config
     tiles = shape.max_visible_tiles(config.block_n)
     tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize
@@ -255,7 +259,8 @@ def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
         return time
     # Each program writes its query rows' fp32 partial outputs, which the merge pass reads back.
     partial_bytes = 2 * -(-occ.base_programs * splits // sms) * shape.rows_per_kv_head * shape.head_dim * 4
-    return time + MERGE_PASS_BYTES_PER_SM + partial_bytes
+    merge_rows = -(-shape.batch_size * shape.max_seq_len_q * shape.num_qo_heads // sms)
+    return time + MERGE_PASS_BYTES_PER_SM + merge_rows * MERGE_ROW_BYTES + partial_bytes
 
 
 def _last_wave(waves: float) -> float:
