@@ -414,9 +414,10 @@ def test_a_split_pays_its_merge_pass():
 
 def test_fp8_counts_above_the_bytes_target_take_the_least_time():
     """B=5, G=6, Hkv=8, D=256, fp8, page 16: 40 programs of 16-token lean tiles. Their bytes ask 4
-    programs an SM, round(4 x 132 / 40) = 13 splits; the fp8 minimum asks 8, 26 splits. Both keep
-    the busiest SM's 8 x 14 or 4 x 27 tiles (112 or 108 x 8 KiB) above a chain of 27 tiles x 32
-    KiB, and 26 splits write twice the partials: 13 splits. A 16-bit cache has no such range."""
+    programs an SM, round(4 x 132 / 40) = 13 splits; the fp8 minimum asks 8, 26 splits. The
+    busiest SM streams 8 x 14 or 4 x 27 tiles (112 or 108 x 8 KiB), no less than a program's chain
+    (14 or 27 tiles x 32 KiB), and 26 splits write twice the partials: 13 splits. A 16-bit cache
+    has no such range."""
     shape = make_shape(5, 5484, num_qo_heads=48, head_dim=256, kv_dtype=FP8)
     occ = occupancy(shape, H200)
     assert (occ.base_programs, occ.bytes_target, occ.target) == (40, 4, 8)
@@ -704,10 +705,9 @@ def test_an_unreadable_resource_csv_warns_once_and_falls_back(kind, monkeypatch,
 # found the model slowest, swept; G: shapes of a sixth set whose short tune beat the model, swept;
 # I to P: the sixth set (seed 11), a seventh (seed 17), an eighth (seed 19), a ninth (seed 23), a
 # tenth (seed 29), an eleventh (seed 31), a twelfth (seed 37) and a thirteenth (seed 41) as their
-# short tunes timed them, 16 trials a shape,
-# the finalists re-timed, and sweeps of the shapes whose pick the tune did not time): shapes
-# whose pick was measured,
-# geometric mean of pick / best measured, and the fraction of those within 5% and within 10% of it.
+# short tunes timed them, 16 trials a shape, the finalists re-timed, and sweeps of the shapes
+# whose pick the tune did not time): shapes whose pick was measured, geometric mean of pick /
+# best measured, and the fraction of those within 5% and within 10% of it.
 CURRENT = {
     "T": dict(measured=155, geomean=1.0146, within5=0.910, within10=0.981),
     "A": dict(measured=39, geomean=1.0277, within5=0.795, within10=0.923),

@@ -205,8 +205,10 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     if splits > 1 and one_warp and not balanced:
         # One split (no merge pass) or, where the fp8 minimum raised the target, any count from the
         # loads' own: the least time, the fewest splits on a tie.
-        fewest = max(1, math.floor(occ.bytes_target * sms / base + 0.5)) if occ.target > occ.bytes_target else splits
-        counts = [1, *range(min(fewest, splits), splits + 1)]
+        fewest = splits
+        if occ.target > occ.bytes_target:
+            fewest = min(splits, max(1, math.floor(occ.bytes_target * sms / base + 0.5)))
+        counts = [1, *range(fewest, splits + 1)]
         splits = min(counts, key=lambda count: _time(shape, occ, count, sms))
     return splits
 
@@ -258,7 +260,8 @@ def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
     if splits == 1:
         return time
     # Each program writes its query rows' fp32 partial outputs, which the merge pass reads back.
-    partial_bytes = 2 * -(-occ.base_programs * splits // sms) * shape.rows_per_kv_head * shape.head_dim * 4
+    programs = -(-occ.base_programs * splits // sms)
+    partial_bytes = 2 * programs * shape.rows_per_kv_head * shape.head_dim * 4
     merge_rows = -(-shape.batch_size * shape.max_seq_len_q * shape.num_qo_heads // sms)
     return time + MERGE_PASS_BYTES_PER_SM + merge_rows * MERGE_ROW_BYTES + partial_bytes
 
