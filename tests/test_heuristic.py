@@ -11,9 +11,9 @@ H200 (``scripts/sweep_configs.py --only``) and add the rows to ``tests/data/h200
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import gzip
+import importlib.util
 import logging
 import math
 import random
@@ -34,7 +34,19 @@ from tsdecode.device import CPU_NAME, DeviceProperties
 
 DATA = Path(__file__).resolve().parent / "data" / "h200_timings.csv.gz"
 
-H200 = DeviceProperties(name="NVIDIA H200", sm_count=132, compute_capability=(9, 0), shared_memory_per_sm=233472)
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, DATA.parents[2] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The scoring (which measured config stands in for a pick, and the per-source scores) is
+# scripts/model_scores.py's, which also compares two trees' picks offline.
+SCORES = _script("model_scores")
+load_timings, model_pick, measured_time = SCORES.load_timings, SCORES.model_pick, SCORES.measured_time
+H200 = DeviceProperties(**SCORES.H200)
 A100 = DeviceProperties(name="A100-like", sm_count=108, compute_capability=(8, 0), shared_memory_per_sm=167936)
 L40S = DeviceProperties(name="L40S-like", sm_count=142, compute_capability=(8, 9), shared_memory_per_sm=102400)
 TINY = DeviceProperties(name="tiny", sm_count=8, compute_capability=(8, 6), shared_memory_per_sm=102400)
@@ -729,67 +741,14 @@ CURRENT = {
 }
 GEOMEAN_MARGIN = 0.01
 FRACTION_MARGIN = 0.03
-# A pick counts as measured if a measured config has its tile, warps and stages, a split count
-# within this factor (the sweep measured split counts about a factor 1.26 apart) and as many
-# waves of programs (``measured_time``).
-SPLITS_TOLERANCE = 1.26
 # B and C: six picks of the lean tiles for head dims over 128 are not timed (their sweep call ran
 # out of time); measure them with scripts/sweep_configs.py --only and raise these.
 MIN_MEASURED = {"T": 152, "A": 35, "H": 8, "B": 33, "C": 34, "D": 8, "E": 9, "F": 4, "G": 4, "I": 37,
                 "J": 39, "K": 39, "L": 37, "M": 36, "N": 35, "O": 37, "P": 35}
-CONFIG_FIELDS = ("block_n", "block_m", "num_kv_splits", "num_warps", "num_stages")
-
-
-def load_timings() -> dict[tuple[str, str], tuple[ProblemShape, dict[tuple[int, ...], float]]]:
-    """{(src, shape name): (shape, {config tuple: time_us})} from the committed CSV."""
-    with gzip.open(DATA, "rt") as f:
-        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    groups: dict = {}
-    for r in rows:
-        key = (r["src"], r["shape"])
-        if key not in groups:
-            shape = ProblemShape(
-                batch_size=int(r["batch_size"]), max_kv_len=int(r["max_kv_len"]),
-                num_qo_heads=int(r["num_qo_heads"]), num_kv_heads=int(r["num_kv_heads"]),
-                head_dim=int(r["head_dim"]), page_size=int(r["page_size"]),
-                kv_dtype=getattr(torch, r["kv_dtype"]), window_left=int(r["window_left"]),
-                mask_kind=r["mask_kind"], kv_len_spread=float(r["spread"]))
-            groups[key] = (shape, {})
-        groups[key][1][tuple(int(r[k]) for k in CONFIG_FIELDS)] = float(r["time_us"])
-    return groups
-
-
-def model_pick(shape: ProblemShape) -> KernelConfig:
-    """What a plan without a table gets on the H200."""
-    config, _ = scale_splits_to_raggedness(heuristic_config(shape, H200), shape, H200)
-    return fit_config(config, shape)[0]
-
-
-def measured_time(config: KernelConfig, timings: dict[tuple[int, ...], float],
-                  shape: ProblemShape) -> float | None:
-    """The time of the measured config nearest ``config``: its tile, warps and stages, a split
-    count within SPLITS_TOLERANCE and the same number of waves (a neighbour that spills into
-    another wave stands in for nothing)."""
-    wave = resident_programs_per_sm(config, shape, H200) * H200.sm_count
-    base = shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // config.block_m)
-    waves = -(-base * config.num_kv_splits // wave)
-    near = [(abs(math.log(c[2] / config.num_kv_splits)), t) for c, t in timings.items()
-            if (c[0], c[1], c[3], c[4]) == (config.block_n, config.block_m, config.num_warps, config.num_stages)
-            and abs(math.log(c[2] / config.num_kv_splits)) <= math.log(SPLITS_TOLERANCE)
-            and (c[2] == 1) == (config.num_kv_splits == 1) and -(-base * c[2] // wave) == waves]
-    return min(near)[1] if near else None
 
 
 def scores() -> dict[str, dict[str, float]]:
-    ratios: dict[str, list[float]] = {}
-    for (src, _), (shape, timings) in load_timings().items():
-        t = measured_time(model_pick(shape), timings, shape)
-        ratios.setdefault(src, [])
-        if t is not None:
-            ratios[src].append(t / min(timings.values()))
-    return {src: dict(measured=len(r), geomean=math.exp(sum(map(math.log, r)) / len(r)),
-                      within5=sum(x <= 1.05 for x in r) / len(r), within10=sum(x <= 1.10 for x in r) / len(r))
-            for src, r in ratios.items()}
+    return SCORES.scores(load_timings())
 
 
 def test_timings_file_is_small_and_complete():
@@ -805,14 +764,10 @@ def test_add_timings_reads_a_tunes_trials(tmp_path):
     """scripts/add_timings.py on a tuner trials CSV: the median of a config's re-timing rounds
     wins over its short trial, pruned trials are skipped, the shape comes from its name and a
     ragged shape's spread from the lengths the tuner drew (seed 0)."""
-    import importlib.util
-
     from tuner.grids import ShapeSpec
     from tuner.measure import seq_lens_for
 
-    spec = importlib.util.spec_from_file_location("add_timings", DATA.parents[2] / "scripts" / "add_timings.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _script("add_timings")
     name = "B4_L1800_H112x16_D64_P2_float8_e4m3fn_ragged"
     header = "kind,state,block_n,block_m,num_kv_splits,num_warps,num_stages,time_us,specs\n"
     rows = ["trial,COMPLETE,32,16,17,1,5,9.0", "trial,COMPLETE,32,16,21,1,5,8.0", "trial,PRUNED,16,16,4,1,3,",
@@ -832,6 +787,31 @@ def test_add_timings_reads_a_tunes_trials(tmp_path):
     path.write_text(header + "trial,COMPLETE,32,16,17,1,5,9.0,B4_L1800_causal\n")
     with pytest.raises(SystemExit, match="not one dense shape"):
         tool.tune_rows(str(path), "J")
+
+
+def test_model_scores_compares_two_trees_picks(tmp_path, capsys):
+    """scripts/model_scores.py against a copy of this tree whose merge pass costs no query rows:
+    the picks that constant decides differ (B60 L310's one split against two), shown with their
+    measured ratios, and the other tree's scores beside this one's; this tree's own misses list."""
+    import shutil
+
+    shutil.copytree(DATA.parents[2] / "tsdecode", tmp_path / "tsdecode")
+    heuristic = tmp_path / "tsdecode" / "config" / "heuristic.py"
+    text = heuristic.read_text()
+    assert "MERGE_ROW_BYTES = 16 * 1024" in text
+    heuristic.write_text(text.replace("MERGE_ROW_BYTES = 16 * 1024", "MERGE_ROW_BYTES = 0"))
+    assert SCORES.main(["--other", str(tmp_path), "--src", "O", "--misses", "1.15"]) == 0
+    out = capsys.readouterr().out
+    mine = scores()["O"]
+    assert f"O      {mine['measured']} {mine['geomean']:.4f}" in out
+    assert "O|B60_L310_H120x8_D64_P16_bfloat16: n16 m16 s2 w1 st5 -> n16 m16 s1 w1 st5  1.586 -> 1.067" in out
+    differing = [line for line in out.split("picks that differ")[1].split("this tree's picks")[0].splitlines()
+                 if line.startswith("  ")]
+    assert differing and all(line.startswith("  O|") for line in differing)
+    assert "O B8_L209_H104x8_D128_P16_float8_e4m3fn: n16 m16 s14 w1 st5 1.207" in out
+    # the same tree twice: no pick differs
+    assert SCORES.main(["--other", str(DATA.parents[2])]) == 0
+    assert capsys.readouterr().out.split("picks that differ")[1].strip().endswith("measured pick / best):")
 
 
 def test_model_picks_stay_as_fast_as_today_on_the_h200_timings():
