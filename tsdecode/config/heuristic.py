@@ -30,7 +30,9 @@ without splitting a request's work more than that needs. The model, in three ste
    above one, other than the long requests', must save more time than its merge pass and partial
    outputs cost, and where the fp8 minimum raised the target, the count from the loads' own target
    up that takes least time wins (``_time``: each wave lasts the longer of a program's chain of
-   tiles and its busiest SM's K/V bytes).
+   tiles and its busiest SM's K/V bytes). Four-warp programs of a wide tile end together, so a
+   partly filled last wave idles whole SMs: their count is the one so far or a larger one that
+   fills whole waves (up to WIDE_MAX_WAVES), whichever takes least time.
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -99,6 +101,9 @@ PARTIAL_COST = 8
 # H200 timings of short problems).
 MERGE_PASS_BYTES_PER_SM = 128 * 1024
 MERGE_ROW_BYTES = 16 * 1024
+# Four-warp programs of a wide tile end together, so a partly filled last wave idles whole SMs:
+# their count may grow to one that fills up to this many whole waves, where ``_time`` says so.
+WIDE_MAX_WAVES = 32
 
 
 @dataclass(frozen=True)
@@ -201,6 +206,10 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     if splits == 1 and base > occ.resident_one_split * sms:
         splits = _fullest_waves(base, occ, tiles, sms)
     splits = min(splits, MAX_NUM_KV_SPLITS)
+    if occ.family == "wide":  # the count so far, or a larger one that fills whole waves: the least time
+        fills = (waves * resident * sms // base for waves in range(1, WIDE_MAX_WAVES + 1))
+        counts = [splits, *(count for count in fills if splits < count <= min(tiles, MAX_NUM_KV_SPLITS))]
+        return min(counts, key=lambda count: _time(shape, occ, count, sms))
     one_warp = occ.config.num_warps == 1  # _time's chain: four warps overlap their tiles' loads
     if splits > 1 and one_warp and not balanced:
         # One split (no merge pass) or, where the fp8 minimum raised the target, any count from the
