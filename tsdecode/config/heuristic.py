@@ -103,7 +103,7 @@ MERGE_PASS_BYTES_PER_SM = 128 * 1024
 MERGE_ROW_BYTES = 16 * 1024
 # Four-warp programs of a wide tile end together, so a partly filled last wave idles whole SMs:
 # their count may grow to one that fills up to this many whole waves, where ``_time`` says so.
-WIDE_MAX_WAVES = 32
+WIDE_MAX_WAVES = 8
 
 
 @dataclass(frozen=True)
