@@ -153,9 +153,15 @@ def test_tile_families(device):
                 assert (config.block_n, config.block_m, config.num_stages) == (16, 16, 5), shape
         elif family == "wide":
             assert (config.num_warps, config.num_stages) == (4, 2)
-            tile = config.block_n * shape.block_d * shape.kv_dtype.itemsize
-            # ~16 KiB of K/V a tile, at most 64 tokens at D <= 128
-            assert tile == H.WIDE_TILE_BYTES or config.block_n == 64, shape
+            # ~16 KiB of K/V a tile, at most 64 tokens at D <= 128, or a doubled tile where the
+            # programs that fit keep more bytes in flight, until they keep the target
+            base = min(64 if shape.block_d <= 128 else 128,
+                       max(16, H.WIDE_TILE_BYTES // (shape.block_d * shape.kv_dtype.itemsize)))
+            assert base <= config.block_n <= H.WIDE_MAX_TOKENS, shape
+            if config.block_n > base:
+                half = dataclasses.replace(config, block_n=config.block_n // 2)
+                assert H.loads_in_flight(half, shape, device) < H.IN_FLIGHT_BYTES_PER_SM, shape
+                assert H.loads_in_flight(half, shape, device) < H.loads_in_flight(config, shape, device), shape
         else:
             assert tokens <= H.SHORT_MAX_TOKENS and config.num_warps == 4
             assert config.num_kv_splits == shape.max_visible_tiles(config.block_n)
@@ -406,8 +412,9 @@ def test_a_split_pays_its_merge_pass():
     assert (occ.base_programs, many_rows.max_visible_tiles(occ.config.block_n)) == (480, 20)
     assert H._time(many_rows, occ, 1, 132) / 1024 == 640 and heuristic_config(many_rows, H200).num_kv_splits == 1
     assert H._time(many_rows, occ, 2, 132) - 55 * H.MERGE_ROW_BYTES < H._time(many_rows, occ, 1, 132)
-    # four-warp programs keep their count: B=4, G=12, D=256, fp8 (wide 64-token tiles), 2 splits
-    wide = make_shape(4, 126, num_qo_heads=96, head_dim=256, page_size=24, kv_dtype=FP8)
+    # four-warp programs keep their count: B=4, G=12, D=256, fp8 (wide 128-token tiles), 200
+    # tokens, 2 splits
+    wide = make_shape(4, 200, num_qo_heads=96, head_dim=256, page_size=24, kv_dtype=FP8)
     occ = occupancy(wide, H200)
     assert occ.family == "wide" and H._time(wide, occ, 1, 132) <= H._time(wide, occ, 2, 132)
     assert heuristic_config(wide, H200).num_kv_splits == 2
@@ -558,6 +565,7 @@ def test_a_wave_the_one_wave_count_barely_fills_takes_the_fullest_waves(monkeypa
     1 split 0.6 / 0.53 = 1.14, 2 splits (1.05 waves) 1.6 / 1.05 x 1.03 = 1.57, 3 splits (1.58
     waves) 1.6 / 1.58 x 1.06 = 1.07: 3. Wide tiles then fill whole waves where that takes less
     time: 5 splits, three waves 88% full."""
+    monkeypatch.setattr(H, "WIDE_MAX_TOKENS", 64)  # the tile held at 64 tokens (2 x 16 KiB in flight)
     shape = make_shape(139, 1162, num_qo_heads=16, num_kv_heads=1, head_dim=256, page_size=2, kv_dtype=FP8)
     occ = occupancy(shape, H200)
     assert (occ.family, occ.config.block_n, occ.base_programs, occ.resident, occ.target) == ("wide", 64, 139, 2, 2)
@@ -735,8 +743,10 @@ def test_residency_is_measured_for_the_way_tiles_find_their_pages(fresh_residenc
     counts = {}
     for page in (1, 2):
         shape = make_shape(3, 41383, num_qo_heads=96, num_kv_heads=16, head_dim=256, page_size=page)
-        occ = occupancy(shape, H200)
-        assert (occ.family, occ.config.block_n, occ.base_programs) == ("wide", 32, 48)
+        wide = KernelConfig(block_n=32, block_m=16, num_warps=4, num_stages=2)
+        occ = dataclasses.replace(occupancy(shape, H200), config=wide,
+                                  resident=resident_programs_per_sm(wide, shape, H200, one_split=False))
+        assert (occ.family, occ.base_programs) == ("wide", 48)
         counts[page] = (occ.resident, num_kv_splits(shape, occ, H200))
     assert counts == {1: (3, 33), 2: (4, 11)}
     assert 48 * 33 == 4 * 3 * 132 and 48 * 11 == 4 * 132
@@ -796,33 +806,34 @@ def test_an_unreadable_resource_csv_warns_once_and_falls_back(kind, monkeypatch,
 # best measured, and the fraction of those within 5% and within 10% of it.
 CURRENT = {
     "T": dict(measured=155, geomean=1.0146, within5=0.910, within10=0.981),
-    "A": dict(measured=38, geomean=1.0322, within5=0.789, within10=0.895),
+    "A": dict(measured=38, geomean=1.0353, within5=0.789, within10=0.921),
     "H": dict(measured=9, geomean=1.0233, within5=0.889, within10=1.000),
-    "B": dict(measured=36, geomean=1.0318, within5=0.750, within10=0.833),
-    "C": dict(measured=35, geomean=1.0149, within5=0.886, within10=0.971),
+    "B": dict(measured=35, geomean=1.0199, within5=0.800, within10=0.886),
+    "C": dict(measured=34, geomean=1.0068, within5=0.912, within10=1.000),
     "D": dict(measured=8, geomean=1.0545, within5=0.625, within10=0.875),
-    "E": dict(measured=10, geomean=1.0470, within5=0.800, within10=0.800),
+    "E": dict(measured=10, geomean=1.0573, within5=0.800, within10=0.800),
     "F": dict(measured=4, geomean=1.0854, within5=0.000, within10=0.750),
     "G": dict(measured=4, geomean=1.0591, within5=0.500, within10=0.750),
-    "I": dict(measured=37, geomean=1.0280, within5=0.838, within10=0.919),
-    "J": dict(measured=38, geomean=1.0556, within5=0.632, within10=0.842),
-    "K": dict(measured=38, geomean=1.0326, within5=0.816, within10=0.895),
-    "L": dict(measured=37, geomean=1.0386, within5=0.730, within10=0.892),
-    "M": dict(measured=37, geomean=1.0116, within5=0.838, within10=1.000),
-    "N": dict(measured=36, geomean=1.0136, within5=0.972, within10=0.972),
-    "O": dict(measured=37, geomean=1.0232, within5=0.838, within10=0.919),
-    "P": dict(measured=36, geomean=1.0276, within5=0.833, within10=0.917),
-    "Q": dict(measured=37, geomean=1.0418, within5=0.730, within10=0.865),
-    "R": dict(measured=37, geomean=1.0173, within5=0.838, within10=0.919),
-    "S": dict(measured=38, geomean=1.0147, within5=0.868, within10=0.921),
+    "I": dict(measured=36, geomean=1.0242, within5=0.861, within10=0.944),
+    "J": dict(measured=36, geomean=1.0368, within5=0.694, within10=0.889),
+    "K": dict(measured=38, geomean=1.0340, within5=0.789, within10=0.895),
+    "L": dict(measured=34, geomean=1.0412, within5=0.706, within10=0.882),
+    "M": dict(measured=36, geomean=1.0119, within5=0.833, within10=1.000),
+    "N": dict(measured=34, geomean=1.0145, within5=0.971, within10=0.971),
+    "O": dict(measured=36, geomean=1.0239, within5=0.833, within10=0.917),
+    "P": dict(measured=34, geomean=1.0204, within5=0.882, within10=0.941),
+    "Q": dict(measured=35, geomean=1.0331, within5=0.743, within10=0.886),
+    "R": dict(measured=37, geomean=1.0129, within5=0.892, within10=0.946),
+    "S": dict(measured=36, geomean=1.0155, within5=0.861, within10=0.917),
 }
 GEOMEAN_MARGIN = 0.01
 FRACTION_MARGIN = 0.03
-# B and C: six picks of the lean tiles for head dims over 128 are not timed (their sweep call ran
-# out of time); measure them with scripts/sweep_configs.py --only and raise these.
-MIN_MEASURED = {"T": 152, "A": 35, "H": 8, "B": 33, "C": 34, "D": 8, "E": 9, "F": 4, "G": 4, "I": 36,
-                "J": 38, "K": 38, "L": 36, "M": 36, "N": 35, "O": 37, "P": 35, "Q": 35, "R": 35,
-                "S": 38}
+# Untimed picks: B and C's lean tiles for head dims over 128 (their sweep call ran out of time), and
+# the doubled wide tiles of D = 256 (scripts/model_scores.py --misses 1 lists them as "untimed");
+# measure them with scripts/sweep_configs.py --only and raise these.
+MIN_MEASURED = {"T": 152, "A": 35, "H": 8, "B": 33, "C": 33, "D": 8, "E": 9, "F": 4, "G": 4, "I": 35,
+                "J": 35, "K": 37, "L": 33, "M": 35, "N": 33, "O": 35, "P": 33, "Q": 34, "R": 35,
+                "S": 35}
 
 
 def scores() -> dict[str, dict[str, float]]:

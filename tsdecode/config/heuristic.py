@@ -65,6 +65,7 @@ LEAN_WIDE_HEAD_MAX_ROWS = 16
 # a second pays only where each tile carries more rows' math.
 LEAN_DEEP_MIN_ROWS = 5
 WIDE_TILE_BYTES = 16 * 1024
+WIDE_MAX_TOKENS = 128
 # A one-warp program of an fp8 cache converts every K/V element before its products, so its
 # warp is busy issuing rather than waiting on loads: an SM needs this many such warps (two per
 # scheduler) whatever bytes each keeps in flight.
@@ -133,7 +134,8 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
     if not lean:
         block_n = min(64 if block_d <= LEAN_MAX_HEAD_DIM else 128,
                       max(16, WIDE_TILE_BYTES // (block_d * kv_bytes)))
-        return KernelConfig(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2), "wide"
+        wide = KernelConfig(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2)
+        return _fill_loads_in_flight(wide, shape, device), "wide"
     if block_d > LEAN_MAX_HEAD_DIM:
         block_n, stages = LEAN_WIDE_HEAD_TOKENS, 5
     elif kv_bytes == 1:
@@ -150,6 +152,26 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
         block_n = 128 if tokens <= 128 else SHORT_BLOCK_N
         return KernelConfig(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2), "short"
     return KernelConfig(block_n=block_n, block_m=block_m, num_warps=1, num_stages=stages), "lean"
+
+
+def _fill_loads_in_flight(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """A wide tile doubles, up to WIDE_MAX_TOKENS, while the programs of it that fit an SM keep
+    less than IN_FLIGHT_BYTES_PER_SM loading and the doubled tile's programs keep more: four-warp
+    programs are few an SM, so their tile, not their count, sets the bytes in flight."""
+    while config.block_n < WIDE_MAX_TOKENS and loads_in_flight(config, shape, device) < IN_FLIGHT_BYTES_PER_SM:
+        larger = dataclasses.replace(config, block_n=2 * config.block_n)
+        if loads_in_flight(larger, shape, device) <= loads_in_flight(config, shape, device):
+            break
+        config = larger
+    return config
+
+
+def loads_in_flight(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> float:
+    """K/V bytes an SM keeps loading with as many split programs of ``config`` as fit: each keeps
+    (stages - 1) / 2 tiles in flight."""
+    tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize
+    fits = resident_programs_per_sm(config, shape, device, one_split=False)
+    return fits * (config.num_stages - 1) / 2 * tile_bytes
 
 
 def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
@@ -349,5 +371,5 @@ def _base_programs(shape: ProblemShape, block_m: int) -> int:
     return shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // block_m)
 
 
-__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "partials_bound",
+__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "partials_bound", "loads_in_flight",
            "heuristic_config", "scale_splits_to_raggedness", "scale_splits_to_batch"]
