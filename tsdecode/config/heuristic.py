@@ -7,7 +7,9 @@ without splitting a request's work more than that needs. The model, in three ste
    to 128 and up to 32 query rows a KV head, and for larger head dims where 16-token tiles stay
    inside a page and 16 rows hold a KV head's queries; four-warp programs of ~16 KiB tiles
    ("wide") otherwise; four-warp programs of one short tile each ("short") where the whole
-   problem has too few tiles to occupy the GPU with lean programs.
+   problem has too few tiles to occupy the GPU with lean programs. A wide tile doubles (up to
+   WIDE_MAX_TOKENS) while the programs of it that fit an SM keep less than the loads in flight
+   below and the doubled tile's keep more.
 2. Residency and target (``occupancy``). Programs of the family that fit an SM (measured
    registers and shared memory against this GPU's), the K/V bytes each keeps in flight (a
    pipeline of S stages: S - 1 tiles loading, each about half the time), and the target:
@@ -65,6 +67,8 @@ LEAN_WIDE_HEAD_MAX_ROWS = 16
 # a second pays only where each tile carries more rows' math.
 LEAN_DEEP_MIN_ROWS = 5
 WIDE_TILE_BYTES = 16 * 1024
+# Four-warp programs are few an SM: where those that fit keep too few bytes loading, their tile
+# doubles, to at most this many tokens.
 WIDE_MAX_TOKENS = 128
 # A one-warp program of an fp8 cache converts every K/V element before its products, so its
 # warp is busy issuing rather than waiting on loads: an SM needs this many such warps (two per
@@ -154,13 +158,15 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
     return KernelConfig(block_n=block_n, block_m=block_m, num_warps=1, num_stages=stages), "lean"
 
 
-def _fill_loads_in_flight(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+def _fill_loads_in_flight(config: KernelConfig, shape: ProblemShape,
+                          device: DeviceProperties) -> KernelConfig:
     """A wide tile doubles, up to WIDE_MAX_TOKENS, while the programs of it that fit an SM keep
     less than IN_FLIGHT_BYTES_PER_SM loading and the doubled tile's programs keep more: four-warp
     programs are few an SM, so their tile, not their count, sets the bytes in flight."""
-    while config.block_n < WIDE_MAX_TOKENS and loads_in_flight(config, shape, device) < IN_FLIGHT_BYTES_PER_SM:
+    while config.block_n < WIDE_MAX_TOKENS:
+        in_flight = loads_in_flight(config, shape, device)
         larger = dataclasses.replace(config, block_n=2 * config.block_n)
-        if loads_in_flight(larger, shape, device) <= loads_in_flight(config, shape, device):
+        if in_flight >= IN_FLIGHT_BYTES_PER_SM or loads_in_flight(larger, shape, device) <= in_flight:
             break
         config = larger
     return config
