@@ -40,7 +40,8 @@ def _resource_table() -> dict[tuple[int, ...], dict[int, list[tuple[int, int, in
     one warning, if it cannot be read (every config then takes the conservative bound)."""
     table: dict[tuple[int, ...], dict[int, list[tuple[int, int, int]]]] = {}
     try:
-        text = resources.files("tsdecode").joinpath("data", RESOURCES_FILE).read_text()
+        # the package's own data, also where it is imported under another name (an A/B's other tree)
+        text = resources.files(__name__.split(".")[0]).joinpath("data", RESOURCES_FILE).read_text()
         lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
         header = lines[0].strip().split(",")
         for line in lines[1:]:

@@ -368,7 +368,7 @@ def user_config_dir() -> Path:
 def shipped_config_dir() -> Path | None:
     """The tables shipped in the package (``tsdecode/tuned_configs/`` of an installed wheel), or
     the source tree's ``tuned_configs/`` when run from it (an editable install)."""
-    installed = Path(str(resources.files("tsdecode").joinpath("tuned_configs")))
+    installed = Path(str(resources.files(__name__.split(".")[0]).joinpath("tuned_configs")))
     source_tree = Path(__file__).resolve().parent.parent.parent / "tuned_configs"
     return next((folder for folder in (installed, source_tree) if folder.is_dir()), None)
 
