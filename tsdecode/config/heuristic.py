@@ -8,8 +8,8 @@ without splitting a request's work more than that needs. The model, in three ste
    inside a page and 16 rows hold a KV head's queries; four-warp programs of ~16 KiB tiles
    ("wide") otherwise; four-warp programs of one short tile each ("short") where the whole
    problem has too few tiles to occupy the GPU with lean programs. A wide tile doubles (up to
-   WIDE_MAX_TOKENS) while the programs of it that fit an SM keep less than the loads in flight
-   below and the doubled tile's keep more.
+   WIDE_MAX_TILE_ELEMENTS, while it fits an SM) as long as the programs of it that fit an SM keep
+   less than the loads in flight below and the doubled tile's keep more.
 2. Residency and target (``occupancy``). Programs of the family that fit an SM (measured
    registers and shared memory against this GPU's), the K/V bytes each keeps in flight (a
    pipeline of S stages: S - 1 tiles loading, each about half the time), and the target:
@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 
 from ..device import DeviceProperties
-from .residency import resident_programs_per_sm
+from .residency import fits_an_sm, resident_programs_per_sm
 from .space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, dot_block_m, fit_config
 
 # Loads in flight per SM that keep its share of DRAM bandwidth busy (bandwidth x latency).
@@ -68,8 +68,9 @@ LEAN_WIDE_HEAD_MAX_ROWS = 16
 LEAN_DEEP_MIN_ROWS = 5
 WIDE_TILE_BYTES = 16 * 1024
 # Four-warp programs are few an SM: where those that fit keep too few bytes loading, their tile
-# doubles, to at most this many tokens.
-WIDE_MAX_TOKENS = 128
+# doubles, to at most this many K (and V) elements, which the program holds in registers in the
+# products' dtype (an fp8 D = 256 cache's 64-token tile already does).
+WIDE_MAX_TILE_ELEMENTS = 64 * 256
 # A one-warp program of an fp8 cache converts every K/V element before its products, so its
 # warp is busy issuing rather than waiting on loads: an SM needs this many such warps (two per
 # scheduler) whatever bytes each keeps in flight.
@@ -160,13 +161,15 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
 
 def _fill_loads_in_flight(config: KernelConfig, shape: ProblemShape,
                           device: DeviceProperties) -> KernelConfig:
-    """A wide tile doubles, up to WIDE_MAX_TOKENS, while the programs of it that fit an SM keep
-    less than IN_FLIGHT_BYTES_PER_SM loading and the doubled tile's programs keep more: four-warp
-    programs are few an SM, so their tile, not their count, sets the bytes in flight."""
-    while config.block_n < WIDE_MAX_TOKENS:
+    """A wide tile doubles, to at most WIDE_MAX_TILE_ELEMENTS and while the doubled tile fits an
+    SM, as long as the programs of it that fit an SM keep less than IN_FLIGHT_BYTES_PER_SM loading
+    and the doubled tile's programs keep more: four-warp programs are few an SM, so their tile, not
+    their count, sets the bytes in flight."""
+    while 2 * config.block_n * shape.block_d <= WIDE_MAX_TILE_ELEMENTS:
         in_flight = loads_in_flight(config, shape, device)
         larger = dataclasses.replace(config, block_n=2 * config.block_n)
-        if in_flight >= IN_FLIGHT_BYTES_PER_SM or loads_in_flight(larger, shape, device) <= in_flight:
+        if (in_flight >= IN_FLIGHT_BYTES_PER_SM or not fits_an_sm(larger, shape, device)
+                or loads_in_flight(larger, shape, device) <= in_flight):
             break
         config = larger
     return config

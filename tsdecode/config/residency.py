@@ -13,6 +13,7 @@ warps and programs per SM.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -29,6 +30,7 @@ MAX_WARPS_PER_SM = 64
 MAX_PROGRAMS_PER_SM = 32  # thread blocks per SM
 SHARED_MEMORY_RESERVED_PER_PROGRAM = 1024  # the driver's reserve per thread block
 RESOURCES_FILE = "split_kernel_resources.csv"
+REFERENCE_PAGE_SIZE = 16  # every config of the table was measured at pages of this many tokens
 
 logger = logging.getLogger(__name__)
 
@@ -80,31 +82,52 @@ def measured_page_size(measured: dict[int, list], page_size: int, block_n: int) 
 
 
 def split_kernel_resources(config: KernelConfig, shape: ProblemShape) -> tuple[int, int]:
-    """(registers a thread, shared memory bytes) of the split kernel for ``config`` on ``shape``.
-
-    Measured at this K/V byte width, block_d (D <= 64 counts as 64), block_m, block_n, warps, one
-    split (the direct-output kernel) or more, and the nearest measured page size whose tiles find
-    their pages as the shape's do, else the nearest (``measured_page_size``); then the nearest
-    measured group size at or above the shape's rows (else the largest). 4 stages take the 3-stage
-    entry and 1 stage the 2-stage one where unmeasured (their kernels match closely). A config
-    outside the table takes 255 registers and more shared memory than any measured config of its
-    tile, so it never fits more programs than it can.
-    """
-    table = _resource_table()
+    """(registers a thread, shared memory bytes) of the split kernel for ``config`` on ``shape``:
+    the measured ones (``measured_resources``), else 255 registers and more shared memory than any
+    measured config of its tile, so that a config outside the table never fits more programs than
+    it can."""
+    measured = measured_resources(config, shape)
+    if measured:
+        return measured
     block_d = max(64, shape.block_d)
-    direct = int(config.num_kv_splits == 1)
-    stand_in = {4: 3, 1: 2}.get(config.num_stages)
-    for stages in (config.num_stages,) + ((stand_in,) if stand_in else ()):
-        by_page = table.get((shape.kv_dtype.itemsize, block_d, config.block_m, config.block_n,
-                             config.num_warps, stages, direct))
-        if by_page:
-            rows = shape.rows_per_kv_head
-            measured = by_page[measured_page_size(by_page, shape.page_size, config.block_n)]
-            return next((m for m in measured if m[0] >= rows), measured[-1])[1:]
     buffers = 2 if config.num_stages >= 5 else 1  # K/V tile buffers (one K and one V tile each)
     shared = (4096 + max(16, config.block_m) * block_d * 6
               + buffers * 2 * config.block_n * block_d * shape.kv_dtype.itemsize)
     return 255, shared
+
+
+def measured_resources(config: KernelConfig, shape: ProblemShape) -> tuple[int, int] | None:
+    """(registers a thread, shared memory bytes) as measured at this K/V byte width, block_d
+    (D <= 64 counts as 64), block_m, block_n, warps, one split (the direct-output kernel) or more,
+    and the nearest measured page size whose tiles find their pages as the shape's do, else the
+    nearest (``measured_page_size``), at the nearest measured group size at or above the shape's
+    rows (else the largest); never less than the same at REFERENCE_PAGE_SIZE. 4 stages take the
+    3-stage entry and 1 stage the 2-stage one where unmeasured (their kernels match closely). None
+    where the table has no such config.
+    """
+    table = _resource_table()
+    direct = int(config.num_kv_splits == 1)
+    stand_in = {4: 3, 1: 2}.get(config.num_stages)
+    for stages in (config.num_stages,) + ((stand_in,) if stand_in else ()):
+        by_page = table.get((shape.kv_dtype.itemsize, max(64, shape.block_d), config.block_m, config.block_n,
+                             config.num_warps, stages, direct))
+        if by_page:
+            # the shape's own page path, and never less than at 16-token pages (where every config
+            # was measured): counting a program too many spills a wave, one too few only thins it
+            pages = {measured_page_size(by_page, shape.page_size, config.block_n),
+                     measured_page_size(by_page, REFERENCE_PAGE_SIZE, config.block_n)}
+            at_rows = [next((m for m in by_page[page] if m[0] >= shape.rows_per_kv_head), by_page[page][-1])
+                       for page in pages]
+            return max(m[1] for m in at_rows), max(m[2] for m in at_rows)
+    return None
+
+
+def fits_an_sm(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> bool:
+    """Whether a split program of ``config`` was measured and its shared memory fits an SM."""
+    split = dataclasses.replace(config, num_kv_splits=max(2, config.num_kv_splits))
+    measured = measured_resources(split, shape)
+    reserve = SHARED_MEMORY_RESERVED_PER_PROGRAM
+    return measured is not None and measured[1] + reserve <= device.shared_memory_per_sm
 
 
 def resident_programs_per_sm(config: KernelConfig, shape: ProblemShape, device: DeviceProperties,
