@@ -7,8 +7,10 @@ use the old call form (``plan(block_tables, seq_lens_kv, ...)``, ``run(q, cache,
 FlashInfer one (``plan(device, batch_size, ...)``, ``run(q, cache, seq_lens, block_tables, ...)``):
 a small adapter tells them apart. ``--tuned-table`` adds a third column: the entry of that table
 for the shape's exact bucket, run as an explicit config (a short ``tsdecode-tune`` of the same
-shapes), so the pick can be compared with a tuned best in the same call. ``--control`` adds this
-tree a second time ("B2"): its ratio to B is the method's own noise floor.
+shapes), so the pick can be compared with a tuned best in the same call; where the tune's trials
+CSV lies beside the table, each shape's count of timed configs too, and the comparison again over
+the shapes the tune searched (a time budget that ran out leaves a shape at the model's own pick).
+``--control`` adds this tree a second time ("B2"): its ratio to B is the method's own noise floor.
 
 Timing: each round times every side once (one CUDA-graph replay window each), the order rotated
 from round to round, so each side goes first equally often; a ratio is the geometric mean over
@@ -26,6 +28,7 @@ Usage: python scripts/ab_trees.py --other /path/to/old/tree --suites targets,hel
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
 import math
 import os
@@ -33,6 +36,7 @@ import random
 import statistics
 import sys
 import types
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -126,6 +130,24 @@ def plan_calls(module, spec: ShapeSpec, sets, config=None):
     return calls, picked
 
 
+def tune_trials(table_path: str | None) -> dict:
+    """{(class key, bucket): configs the tune timed}, from the trials CSV the tuner writes beside
+    its table ({} where there is none): a bucket whose time budget ran out after one or two trials
+    holds little more than the model's own pick, so it says nothing about the model."""
+    if not table_path:
+        return {}
+    trials = Path(table_path).with_name(Path(table_path).stem + "_trials.csv")
+    if not trials.exists():
+        return {}
+    counts: dict = {}
+    with open(trials, newline="") as f:
+        for r in csv.DictReader(f):
+            if r["kind"] == "trial" and r["state"] == "COMPLETE":
+                key = (r["class_key"], (int(r["bucket_batch_size"]), int(r["bucket_kv_len"])))
+                counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
 def tuned_entry(table_path: str | None, spec: ShapeSpec):
     if not table_path:
         return None
@@ -135,6 +157,15 @@ def tuned_entry(table_path: str | None, spec: ShapeSpec):
     entry = table.entries.get(tables.problem_class_key(spec.to_problem_shape()), {}).get(
         tables.bucket_of(spec.batch_size, spec.kv_len))
     return None if entry is None else entry.kernel_config
+
+
+# A tune that timed fewer configs of a shape than this ran out of time there.
+SEARCHED_TRIALS = 8
+
+
+def tuned_summary(ratios: list[float]) -> str:
+    return (f"within 5% at {sum(t <= 1.05 for t in ratios)} of {len(ratios)}, within 10% at "
+            f"{sum(t <= 1.10 for t in ratios)}, worst {max(ratios):.3f}, median {statistics.median(ratios):.3f}")
 
 
 RETIME_BELOW = 0.97  # A/B time ratio under which a shape gets more rounds
@@ -197,7 +228,7 @@ def main() -> int:
     copy = copy_bandwidth_gbs(dev)
     print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, copy {copy:.0f} GB/s; "
           f"A = {args.other}, B = this tree", flush=True)
-    rows = []
+    rows, searched = [], tune_trials(args.tuned_table)
     for suite, spec in suite_shapes(args.suites.split(","), args.count, args.seed):
         sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
         nbytes = bytes_moved(spec, sets[0].seq_lens.tolist())
@@ -225,8 +256,13 @@ def main() -> int:
                 f"(noise {noise:.3f}{', re-timed' if retimed else ''}{clock})")
         if tuned is not None:
             b_over_tuned = paired_ratio(times, "B", "tuned")[0]
-            row.update(tuned_us=med["tuned"], b_over_tuned=b_over_tuned, tuned_config=str(tuned))
+            trials = searched.get((tables.problem_class_key(spec.to_problem_shape()),
+                                   tables.bucket_of(spec.batch_size, spec.kv_len)))
+            row.update(tuned_us=med["tuned"], b_over_tuned=b_over_tuned, tuned_config=str(tuned),
+                       tune_trials=trials)
             line += f" tuned {med['tuned']:9.1f} B/tuned {b_over_tuned:6.3f}"
+            if trials is not None:
+                line += f" ({trials} trials)"
         if args.control:
             row["b2_over_b"] = paired_ratio(times, "B2", "B")[0]
             line += f" B2/B {row['b2_over_b']:6.3f}"
@@ -249,9 +285,11 @@ def main() -> int:
                   f"{math.exp(statistics.fmean(map(math.log, control))):.3f}, range {min(control):.3f}-{max(control):.3f}")
         tuned = [x["b_over_tuned"] for x in r if "b_over_tuned" in x]
         if tuned:
-            print(f"# {suite}: B's pick vs the short tune's: within 5% at {sum(t <= 1.05 for t in tuned)} of "
-                  f"{len(tuned)}, within 10% at {sum(t <= 1.10 for t in tuned)}, worst {max(tuned):.3f}, "
-                  f"median {statistics.median(tuned):.3f}")
+            print(f"# {suite}: B's pick vs the short tune's: {tuned_summary(tuned)}")
+        full = [x["b_over_tuned"] for x in r if (x.get("tune_trials") or 0) >= SEARCHED_TRIALS]
+        if searched and tuned:
+            print(f"# {suite}: the same over the {len(full)} shapes the tune timed >= {SEARCHED_TRIALS} "
+                  f"configs of: {tuned_summary(full) if full else '-'}")
     return 0
 
 

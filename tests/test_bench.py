@@ -268,3 +268,19 @@ def test_tree_a_b_rotates_the_order_and_pairs_each_round(monkeypatch):
         assert abs(ratio - 1) < 1e-9 and spread > 0  # a fixed order would give 0.99 every round
     times = {"A": [100.0, 110.0, 90.0], "B": [50.0, 100.0, 100.0]}
     assert ab_trees.paired_ratio(times, "A", "B")[0] == pytest.approx((2.0 * 1.1 * 0.9) ** (1 / 3))
+
+
+def test_tree_a_b_counts_the_configs_the_tune_timed(tmp_path):
+    """A shape whose tune ran out of time after a trial or two compares the model with itself:
+    the A/B reads each bucket's timed configs from the trials CSV beside the table."""
+    import ab_trees
+
+    assert ab_trees.tune_trials(None) == {} and ab_trees.tune_trials(str(tmp_path / "NVIDIA_H200.json")) == {}
+    fields = "kind,study,class_key,bucket_batch_size,bucket_kv_len,trial,state,block_n\n"
+    rows = ["trial,s,k1,64,4096,0,COMPLETE,64", "trial,s,k1,64,4096,1,COMPLETE,32",
+            "trial,s,k1,64,4096,2,PRUNED,16", "retime,s,k1,64,4096,,RETIME,64", "trial,s,k2,1,128,0,COMPLETE,32"]
+    (tmp_path / "NVIDIA_H200_trials.csv").write_text(fields + "\n".join(rows) + "\n")
+    counts = ab_trees.tune_trials(str(tmp_path / "NVIDIA_H200.json"))
+    assert counts == {("k1", (64, 4096)): 2, ("k2", (1, 128)): 1}
+    assert ab_trees.tuned_summary([1.0, 1.04, 1.08, 1.3]) == (
+        "within 5% at 2 of 4, within 10% at 3, worst 1.300, median 1.060")
