@@ -955,3 +955,28 @@ def test_gpu_smoke_tuning_end_to_end(tmp_path, monkeypatch):
         w, err = _plan_and_run(spec, "cuda")
         assert w.config.source == "table", str(w.config)
         assert err < measure.tolerance(spec)
+
+
+@cpu_only
+def test_a_rerun_searches_on_where_the_time_budget_cut_a_bucket_short(tmp_path, capsys):
+    out = tmp_path / "cut"
+    rc = main([*TINY, "--trials", "4", "--time-budget", "6", "--compile-workers", "2", "--out", str(out),
+               "--isolation", "inline", "--inject-hook", f"{HOOKS}:slow_compile_hook", *FAST])
+    assert rc == 0
+    first = capsys.readouterr()
+    assert "1 (0 pruned), time ran out" in first.out
+    assert "1 bucket(s) stopped short of --trials when the time budget ran out" in first.err + first.out
+    (final,) = _records(out, "final")
+    assert final["cut_short"] and final["measured"] == 1
+    # The same command without the slow compiles: the bucket is searched on, not resumed as done.
+    rc = main([*TINY, "--trials", "4", "--out", str(out), "--isolation", "inline", *FAST])
+    assert rc == 0
+    second = capsys.readouterr()
+    assert "searching on" in second.err + second.out and "already tuned" not in second.err + second.out
+    finals = _records(out, "final")
+    assert len(finals) == 2 and not finals[-1]["cut_short"] and finals[-1]["measured"] == 4
+    assert "time ran out" not in second.out
+    # A third run finds it done.
+    assert main([*TINY, "--trials", "4", "--out", str(out), "--isolation", "inline", *FAST]) == 0
+    assert "already tuned (4 configs measured)" in "".join(capsys.readouterr())
+    _check_log_matches_storage(out)

@@ -455,6 +455,10 @@ def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequ
     print(search.summary_table(results))
     for line in extra:
         echo(line)
+    cut = sum(r.cut_short for r in results)
+    if cut:
+        echo(f"{cut} bucket(s) stopped short of --trials when the time budget ran out (\"time ran out\" above): "
+             "the same command again searches them on from what they measured")
     ok = sum(r.ok for r in results)
     echo(f"{ok}/{len(results)} buckets tuned in {time.monotonic() - t_start:.0f} s")
     if cpu:

@@ -75,6 +75,8 @@ SEARCH_VERSION = 2
 SEED_WAIT_S = 60.0
 # How often a worker with nothing to do re-reads the studies it waits on.
 POLL_S = 0.5
+# The reason a study closes when --time-budget runs out: a later run searches such a bucket on.
+TIME_BUDGET_USED_UP = "time budget used up"
 # A worker stamps a trial right after taking it: one still unstamped after this long lost its
 # worker in between (a storage without heartbeats would otherwise wait for it forever).
 UNSTAMPED_GRACE_S = 30.0
@@ -226,6 +228,7 @@ class BucketResult:
     note: str = ""
     resumed: bool = False
     pending: bool = False  # other workers still hold trials of the bucket
+    cut_short: bool = False  # the time budget ended the search before --trials configs
 
     @property
     def speedup(self) -> float | None:
@@ -240,7 +243,7 @@ class BucketResult:
         return cls(bucket, name, True, KernelConfig(**final["winner"]), final["time_us"], final["bandwidth_gbs"],
                    final["fraction_of_copy"], KernelConfig(**final["default"]), final["default_time_us"],
                    final["default_bandwidth_gbs"], final["kept_default"], final["noise"], final["measured"],
-                   final["pruned"], final.get("note", ""), resumed=resumed)
+                   final["pruned"], final.get("note", ""), resumed=resumed, cut_short=final.get("cut_short", False))
 
 
 def summary_table(results: Sequence[BucketResult]) -> str:
@@ -248,7 +251,7 @@ def summary_table(results: Sequence[BucketResult]) -> str:
     head = ("bucket (B,L)", "shape(s)", "best config", "us", "default us", "speedup", "% copy", "trials")
     rows = []
     for r in results:
-        trials = f"{r.measured} ({r.pruned} pruned)"
+        trials = f"{r.measured} ({r.pruned} pruned)" + (", time ran out" if r.cut_short else "")
         if r.ok:
             frac = f"{100 * r.fraction_of_copy:.0f}%" if r.fraction_of_copy is not None else "-"
             best = config_text(r.winner) + (" (default)" if r.kept_default else "")
@@ -592,8 +595,14 @@ class Tuner:
         use_grid = size <= s.trials
         study = self._open_study(bucket, name, use_grid)
         final = study.user_attrs.get("final")
+        earlier = None  # a final this run searches on from
         if final and final.get("trials_budget", 0) >= s.trials and final.get("ok"):
-            return self._resume_final(bucket, name, final, quiet)
+            if quiet or use_grid or not self._cut_short(study, final):
+                return self._resume_final(bucket, name, final, quiet)
+            self.echo(f"  an earlier run's time budget stopped it at {final['measured']} of {s.trials} configs: "
+                      "searching on")
+            study.set_user_attr("closed", None)
+            earlier = final
         failed = study.user_attrs.get("failed")
         if quiet and failed and failed.get("trials_budget", 0) >= s.trials:  # finalised (no valid config) meanwhile
             return BucketResult.from_final(bucket, name, failed)
@@ -618,7 +627,7 @@ class Tuner:
         ua = study.user_attrs
         for attr in ("final", "failed"):  # another worker finalised it meanwhile
             final = ua.get(attr)
-            if final and final.get("trials_budget", 0) >= s.trials:
+            if final and final.get("trials_budget", 0) >= s.trials and final != earlier:
                 return BucketResult.from_final(bucket, name, final, resumed=True)
         if self._finalising_elsewhere(study):
             return BucketResult(bucket, name, False, default=default, pending=True)
@@ -793,7 +802,7 @@ class Tuner:
                 if stop_at is not None and not out_of_time and time.time() >= stop_at \
                         and self._default_started(trials, default_key):
                     asking, out_of_time = False, True
-                    self._close(study, "time budget used up")
+                    self._close(study, TIME_BUDGET_USED_UP)
                     self._drop_queue(study, default_key)
                 while asking and len(pending) < max(1, s.lookahead):
                     if not use_grid:  # the budget: configs measured or being measured, by any worker
@@ -888,6 +897,14 @@ class Tuner:
         out of time)."""
         leader = _leader(trials, default_key)
         return leader is None or leader.state != TrialState.WAITING
+
+    def _cut_short(self, study: optuna.Study, final: dict[str, Any]) -> bool:
+        """Whether ``final`` was written after the time budget stopped the search short of
+        --trials measured configs (finals written before this flag existed: the study's closing
+        reason says so)."""
+        if "cut_short" in final:
+            return final["cut_short"]
+        return study.user_attrs.get("closed") == TIME_BUDGET_USED_UP and final.get("measured", 0) < self.s.trials
 
     def _close(self, study: optuna.Study, why: str) -> None:
         if not study.user_attrs.get("closed"):
@@ -1040,6 +1057,7 @@ class Tuner:
         self._prepared = None  # re-timing prepares the bucket's inputs itself
         measured = len(cache)
         pruned = sum(o.state == "PRUNED" for o in cache.values())
+        cut_short = study.user_attrs.get("closed") == TIME_BUDGET_USED_UP and measured < self.s.trials
         default_key = config_text(default)
         complete = sorted((o for o in cache.values() if o.state == "COMPLETE"), key=lambda o: o.value)
         base = dict(bucket=bucket, study_name=name, default=default, measured=measured, pruned=pruned)
@@ -1087,7 +1105,7 @@ class Tuner:
             "ok": True, "winner": winner.to_dict(), "time_us": t_win, "bandwidth_gbs": bw, "fraction_of_copy": frac,
             "default": default.to_dict(), "default_time_us": d_med, "default_bandwidth_gbs": d_bw,
             "kept_default": kept, "noise": noise, "trials_budget": self.s.trials, "measured": measured,
-            "pruned": pruned, "note": note, "worker": self.label or None,
+            "pruned": pruned, "note": note, "worker": self.label or None, "cut_short": cut_short,
         }
         study.set_user_attr("final", final)
         study.set_user_attr("finalising", None)
@@ -1102,7 +1120,7 @@ class Tuner:
                   f"{config_text(winner)}: {t_win:.2f} us ({how}; {verdict})")
         return BucketResult(**base, ok=True, winner=winner, time_us=t_win, bandwidth_gbs=bw, fraction_of_copy=frac,
                             default_time_us=d_med, default_bandwidth_gbs=d_bw, kept_default=kept, noise=noise,
-                            note=note)
+                            note=note, cut_short=cut_short)
 
     def _resume_final(self, bucket: Bucket, name: str, final: dict[str, Any], quiet: bool = False) -> BucketResult:
         """A bucket already finished (by an earlier run or another worker)."""
