@@ -109,8 +109,10 @@ def scores(groups: dict, picks: dict | None = None) -> dict[str, dict[str, float
         by_src.setdefault(src, [])
         if r is not None:
             by_src[src].append(r)
-    return {src: dict(measured=len(r), geomean=math.exp(sum(map(math.log, r)) / len(r)),
-                      within5=sum(x <= 1.05 for x in r) / len(r), within10=sum(x <= 1.10 for x in r) / len(r))
+    nan = float("nan")  # a source none of whose picks was measured
+    return {src: dict(measured=len(r), geomean=math.exp(sum(map(math.log, r)) / len(r)) if r else nan,
+                      within5=sum(x <= 1.05 for x in r) / len(r) if r else nan,
+                      within10=sum(x <= 1.10 for x in r) / len(r) if r else nan)
             for src, r in by_src.items()}
 
 

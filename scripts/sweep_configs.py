@@ -6,11 +6,15 @@ span ~0.25 to ~48 programs per SM, compiled in parallel first (one process per C
 planning the configs, which compiles them), then timed with the anchors' CUDA-graph method (short
 replays); the best few and the plan's own pick (tuned table or model) are re-timed at full length,
 two rounds interleaved. Writes one CSV row per timing, with ``spread`` (longest / mean drawn
-length) as ``tests/data/h200_timings.csv.gz`` records it.
+length) as ``tests/data/h200_timings.csv.gz`` records it. ``--tiles`` and ``--splits`` narrow the
+sweep to given tiles (block_n/num_warps/num_stages) and split counts, e.g. one tile's split counts
+around a model's pick.
 
 Usage: python scripts/sweep_configs.py --count 48 --seed 1 --csv sweep.csv
        python scripts/sweep_configs.py --suites random,heldout --seed 3 --count 40 \
            --only B43_L6752_H18x2_D128_P3_float8_e4m3fn,B2_L3000 --csv losers.csv
+       python scripts/sweep_configs.py --seed 61 --only B34_L2836 --tiles 64/4/2 \
+           --splits 1-16,24,32 --csv b34.csv
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch  # noqa: E402
 
 from ab_trees import suite_shapes  # noqa: E402
 from tsdecode import BatchDecodePagedTSWrapper  # noqa: E402
-from tsdecode.config.space import KernelConfig, dot_block_m, fit_config  # noqa: E402
+from tsdecode.config.space import MAX_NUM_KV_SPLITS, KernelConfig, dot_block_m, fit_config  # noqa: E402
 from tsdecode.device import device_properties  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
 from tuner.measure import (  # noqa: E402
@@ -44,16 +48,19 @@ FAMILIES = ((16, 1, 3), (16, 1, 5), (32, 1, 5), (32, 2, 5), (64, 2, 5), (32, 4, 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 
 
-def candidates(spec: ShapeSpec, num_sms: int) -> list[KernelConfig]:
-    """Each family's configs at every split count from ~0.25 to ~48 programs per SM (fitted)."""
+def candidates(spec: ShapeSpec, num_sms: int, families=FAMILIES, splits=None) -> list[KernelConfig]:
+    """Each family's configs at every split count from ~0.25 to ~48 programs per SM (fitted), or
+    at the given ``splits`` (those a shape's tiles allow)."""
     shape = spec.to_problem_shape()
     block_m = dot_block_m(shape.rows_per_kv_head)
     base = spec.batch_size * spec.num_kv_heads * -(-shape.rows_per_kv_head // block_m)
     out = set()
-    for bn, w, st in FAMILIES:
+    for bn, w, st in families:
         tiles = shape.max_visible_tiles(bn)
-        for s in SPLITS:
-            if s > tiles or (s > 1 and base * s > 48 * num_sms) or (s > 1 and base * s < num_sms // 4):
+        for s in splits or SPLITS:
+            if s > tiles or s > MAX_NUM_KV_SPLITS:
+                continue
+            if splits is None and ((s > 1 and base * s > 48 * num_sms) or (s > 1 and base * s < num_sms // 4)):
                 continue
             out.add(fit_config(KernelConfig(block_n=bn, block_m=block_m, num_kv_splits=s, num_warps=w,
                                             num_stages=st), shape)[0])
@@ -73,6 +80,23 @@ def precompile(spec: ShapeSpec, config: KernelConfig) -> str | None:
     return None
 
 
+def parse_counts(text: str) -> list[int]:
+    """"1-4,8,12" -> [1, 2, 3, 4, 8, 12]."""
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return sorted(set(out))
+
+
+def parse_tiles(text: str) -> tuple[tuple[int, int, int], ...]:
+    """"64/4/2,32/1/5" -> ((64, 4, 2), (32, 1, 5)): block_n/num_warps/num_stages."""
+    tiles = tuple(tuple(int(x) for x in part.split("/")) for part in text.split(","))
+    if any(len(t) != 3 for t in tiles):
+        raise argparse.ArgumentTypeError(f"--tiles wants block_n/num_warps/num_stages, got {text!r}")
+    return tiles
+
+
 def time_config(spec, sets, config, replay_ms):
     ws = [plan_wrapper(spec, s, config) for s in sets]
     decode_call(ws[0], sets[0], validate=True)()
@@ -86,6 +110,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--suites", default="random", help="comma-separated: random, heldout, targets")
     ap.add_argument("--only", default=None, help="comma-separated prefixes of shape names to keep")
+    ap.add_argument("--tiles", type=parse_tiles, default=FAMILIES,
+                    help="comma-separated block_n/num_warps/num_stages (default: the families above)")
+    ap.add_argument("--splits", type=parse_counts, default=None,
+                    help="split counts, e.g. 1-16,24,32 (default: ~0.25 to ~48 programs per SM)")
     ap.add_argument("--csv", required=True)
     ap.add_argument("--replay-ms", type=float, default=8.0)
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
@@ -99,7 +127,7 @@ def main(argv=None) -> int:
     shapes = [spec for _, spec in suite_shapes(args.suites.split(","), args.count, args.seed)]
     if args.only:
         shapes = [s for s in shapes if any(s.name.startswith(p) for p in args.only.split(","))]
-    plan = {s.name: candidates(s, num_sms) for s in shapes}
+    plan = {s.name: candidates(s, num_sms, args.tiles, args.splits) for s in shapes}
     print(f"# {torch.cuda.get_device_name(dev)} copy {copy:.0f} GB/s; {len(shapes)} shapes, "
           f"{sum(map(len, plan.values()))} configs", flush=True)
     t0 = time.time()

@@ -284,3 +284,19 @@ def test_tree_a_b_counts_the_configs_the_tune_timed(tmp_path):
     assert counts == {("k1", (64, 4096)): 2, ("k2", (1, 128)): 1}
     assert ab_trees.tuned_summary([1.0, 1.04, 1.08, 1.3]) == (
         "within 5% at 2 of 4, within 10% at 3, worst 1.300, median 1.060")
+
+
+def test_sweep_narrows_to_the_given_tiles_and_split_counts():
+    import sweep_configs
+
+    assert sweep_configs.parse_counts("1-4,8,3,12") == [1, 2, 3, 4, 8, 12]
+    assert sweep_configs.parse_tiles("64/4/2,32/1/5") == ((64, 4, 2), (32, 1, 5))
+    with pytest.raises(Exception, match="block_n/num_warps/num_stages"):
+        sweep_configs.parse_tiles("64/4")
+    spec = ShapeSpec(batch_size=34, kv_len=2836, num_qo_heads=24, num_kv_heads=8, head_dim=256, page_size=3,
+                     kv_dtype="float8_e4m3fn")
+    configs = sweep_configs.candidates(spec, 132, ((64, 4, 2),), [1, 5, 12, 99])
+    assert {(c.block_n, c.num_warps, c.num_stages) for c in configs} == {(64, 4, 2)}
+    assert sorted(c.num_kv_splits for c in configs) == [1, 5, 12]  # 45 tiles: 99 splits is too many
+    full = sweep_configs.candidates(spec, 132)
+    assert len({(c.block_n, c.num_warps, c.num_stages) for c in full}) > 1
