@@ -34,7 +34,8 @@ without splitting a request's work more than that needs. The model, in three ste
    up that takes least time wins (``_time``: each wave lasts the longer of a program's chain of
    tiles and its busiest SM's K/V bytes). Four-warp programs of a wide tile end together, so a
    partly filled last wave idles whole SMs: their count is the one so far or a larger one that
-   fills whole waves (up to WIDE_MAX_WAVES), whichever takes least time.
+   fills whole waves (up to WIDE_MAX_WAVES), whichever takes least time (of ragged lengths they
+   do not end together: their waves overlap, RAGGED_WIDE_TAIL).
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -110,6 +111,13 @@ MERGE_ROW_BYTES = 16 * 1024
 # Four-warp programs of a wide tile end together, so a partly filled last wave idles whole SMs:
 # their count may grow to one that fills up to this many whole waves, where ``_time`` says so.
 WIDE_MAX_WAVES = 8
+# Four-warp programs of ragged lengths do not end together: past one wave, each SM starts the next
+# program as one ends, so the waves overlap and the kernel lasts the mean program's chain a wave
+# plus this share of the longest program's chain (the programs still running at the end).
+RAGGED_WIDE_TAIL = 0.3
+# Each such program's start (its query rows, the lengths, the first page IDs) and end (its
+# outputs) cost about this share of one tile's load latency on top of its chain.
+PROGRAM_EDGES_TILES = 0.5
 
 
 @dataclass(frozen=True)
@@ -284,24 +292,33 @@ def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
     """The kernel time of ``splits`` splits, in bytes an SM streams meanwhile. Each wave lasts the
     longer of a program's chain of the longest request's tiles (a tile takes a load latency,
     IN_FLIGHT_BYTES_PER_SM, over the tiles the program keeps in flight) and its busiest SM's K/V
-    bytes of the mean request; a split count adds the merge pass (its start, and one program per
-    query row and head, the busiest SM's share of them) and its busiest SM's partial outputs,
-    written and read back."""
+    bytes of the mean request; four-warp programs of ragged lengths past one wave overlap their
+    waves instead, each lasting the mean request's chain and its program's edges, with a tail of
+    the longest chain (RAGGED_WIDE_TAIL, PROGRAM_EDGES_TILES). A split count adds the merge pass
+    (its start, and one program per query row and head, the busiest SM's share of them) and its
+    busiest SM's partial outputs, written and read back."""
     config = occ.config
     tiles = shape.max_visible_tiles(config.block_n)
     tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize
-    split_bytes = math.ceil(tiles / max(1.0, shape.kv_len_spread) / splits) * tile_bytes
-    chain = -(-tiles // splits) * IN_FLIGHT_BYTES_PER_SM / occ.tiles_in_flight
+    spread = max(1.0, shape.kv_len_spread)
+    split_bytes = math.ceil(tiles / spread / splits) * tile_bytes
+    latency = IN_FLIGHT_BYTES_PER_SM / occ.tiles_in_flight  # one tile of a program's chain
+    chain = -(-tiles // splits) * latency
     per_wave = (occ.resident_one_split if splits == 1 else occ.resident) * sms
-    full_waves, last = divmod(occ.base_programs * splits, per_wave)
-    time = full_waves * max(chain, per_wave // sms * split_bytes)
-    if last:
-        time += max(chain, -(-last // sms) * split_bytes)
+    programs = occ.base_programs * splits
+    if occ.family == "wide" and spread >= RAGGED_SPREAD and programs > per_wave:
+        mean_chain = (tiles / spread / splits + PROGRAM_EDGES_TILES) * latency
+        waves = programs / per_wave
+        time = max(chain, waves * max(mean_chain, per_wave // sms * split_bytes) + RAGGED_WIDE_TAIL * chain)
+    else:
+        full_waves, last = divmod(programs, per_wave)
+        time = full_waves * max(chain, per_wave // sms * split_bytes)
+        if last:
+            time += max(chain, -(-last // sms) * split_bytes)
     if splits == 1:
         return time
     # Each program writes its query rows' fp32 partial outputs, which the merge pass reads back.
-    programs = -(-occ.base_programs * splits // sms)
-    partial_bytes = 2 * programs * shape.rows_per_kv_head * shape.head_dim * 4
+    partial_bytes = 2 * -(-programs // sms) * shape.rows_per_kv_head * shape.head_dim * 4
     merge_rows = -(-shape.batch_size * shape.max_seq_len_q * shape.num_qo_heads // sms)
     return time + MERGE_PASS_BYTES_PER_SM + merge_rows * MERGE_ROW_BYTES + partial_bytes
 
