@@ -130,9 +130,10 @@ def test_heuristic_configs_are_valid_and_already_fitted(device):
 
 @pytest.mark.parametrize("device", GPUS, ids=lambda d: d.name)
 def test_tile_families(device):
-    """Lean (1 warp) for D <= 128 and <= 32 rows a KV head, and for D > 128 with <= 16 rows and
-    pages that 16-token tiles stay inside; wide (4 warps, ~16 KiB tiles) otherwise; short (4
-    warps, one tile a split) only for problems of at most 512 visible tokens."""
+    """Lean (1 warp, 4 where the programs are no more than the SMs) for D <= 128 and <= 32 rows a
+    KV head, and for D > 128 with <= 16 rows and pages that 16-token tiles stay inside; wide (4
+    warps, ~16 KiB tiles) otherwise; short (4 warps, one tile a split) only for problems of at most
+    512 visible tokens."""
     for shape in SWEEP:
         config = heuristic_config(shape, device)
         family = occupancy(shape, device).family
@@ -146,11 +147,16 @@ def test_tile_families(device):
         elif tokens > H.SHORT_MAX_TOKENS:
             assert family == "lean", shape
         if family == "lean":
-            assert config.num_warps == 1 and config.num_stages in (3, 5)
+            programs = shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // config.block_m)
+            spread = programs * config.num_kv_splits <= device.sm_count
+            one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
+            assert config.num_warps == (4 if spread else 1), shape
+            assert config.num_stages == 2 if spread and one_tile else config.num_stages in (3, 5), shape
             tile = config.block_n * shape.block_d * shape.kv_dtype.itemsize
             assert config.block_n in (16, 32) and tile <= 8192, shape
             if shape.block_d > 128:
-                assert (config.block_n, config.block_m, config.num_stages) == (16, 16, 5), shape
+                assert (config.block_n, config.block_m) == (16, 16), shape
+                assert config.num_stages == (2 if spread and one_tile else 5), shape
         elif family == "wide":
             assert (config.num_warps, config.num_stages) == (4, 2)
             # ~16 KiB of K/V a tile, at most 64 tokens at D <= 128, or a doubled tile where the
@@ -520,6 +526,39 @@ def test_ragged_wide_programs_overlap_their_waves(monkeypatch):
     assert heuristic_config(shape, H200).num_kv_splits == 1
 
 
+def test_programs_no_more_than_the_sms_take_four_warps():
+    """G=16, Hkv=1, D=64, pages of 3 tokens, 581 tokens: 19 one-warp tiles of 32 tokens, split 19
+    ways, one tile a program. At B=6 the 114 programs have an SM each: four warps, and two stages
+    (one tile has nothing to prefetch). At B=7 the 133 programs outnumber the 132 SMs: one warp, as
+    the family has it. B=97, Hkv=1, G=6, D=128, 105 tokens: 97 programs of one split and four tiles
+    take four warps and keep the family's five stages."""
+    small = {b: heuristic_config(make_shape(b, 581, num_qo_heads=16, num_kv_heads=1, head_dim=64, page_size=3), H200)
+             for b in (6, 7)}
+    assert small[6] == KernelConfig(block_n=32, block_m=16, num_kv_splits=19, num_warps=4, num_stages=2)
+    assert small[7] == KernelConfig(block_n=32, block_m=16, num_kv_splits=19, num_warps=1, num_stages=5)
+    shape = make_shape(97, 105, num_qo_heads=6, num_kv_heads=1, head_dim=128, page_size=32)
+    assert occupancy(shape, H200).family == "lean" and shape.max_visible_tiles(32) == 4
+    assert heuristic_config(shape, H200) == KernelConfig(block_n=32, block_m=16, num_kv_splits=1, num_warps=4,
+                                                         num_stages=5)
+
+
+def test_equal_lengths_that_spill_one_wave_take_16_token_tiles():
+    """B=107, G=12, Hkv=8, D=128, pages of 64 tokens, 722 tokens: 856 programs of one split. 32-token
+    tiles of 5 stages fit 6 an SM (792 a wave: 64 spill into a second wave); 16-token tiles fit 8
+    (1056): the 16-token tile, in one wave. Of ragged lengths the programs end apart and the spill
+    costs less: the 32-token tile stays."""
+    shape = make_shape(107, 722, num_qo_heads=96, num_kv_heads=8, head_dim=128, page_size=64)
+    occ = occupancy(shape, H200)
+    assert (occ.config.block_n, occ.config.num_stages, occ.base_programs) == (32, 5, 856)
+    smaller = dataclasses.replace(occ.config, block_n=16)
+    assert (resident_programs_per_sm(occ.config, shape, H200, one_split=True),
+            resident_programs_per_sm(smaller, shape, H200, one_split=True)) == (6, 8)
+    assert heuristic_config(shape, H200) == KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1,
+                                                         num_stages=5)
+    ragged = dataclasses.replace(shape, kv_len_spread=1.3)
+    assert heuristic_config(ragged, H200).block_n == 32
+
+
 def test_wide_programs_fill_whole_waves(monkeypatch):
     """B=20, G=12, Hkv=8, D=256, pages of 2 tokens: 160 programs of wide 32-token tiles (four warps), 4 an SM
     fit, 528 a wave. The wave rule's 3 splits run programs of 60 tiles in one wave 91% full: a
@@ -855,44 +894,49 @@ def test_an_unreadable_resource_csv_warns_once_and_falls_back(kind, monkeypatch,
 # I to P: the sixth set (seed 11), a seventh (seed 17), an eighth (seed 19), a ninth (seed 23), a
 # tenth (seed 29), an eleventh (seed 31), a twelfth (seed 37) and a thirteenth (seed 41) as their
 # short tunes timed them, 16 trials a shape, the finalists re-timed, and sweeps of the shapes
-# whose pick the tune did not time; Q to Z: later sets and sweeps the same way (the file's header
+# whose pick the tune did not time; Q to AC: later sets and sweeps the same way (the file's header
 # lists them)): shapes whose pick was measured, geometric mean of pick / best measured, and the fraction
 # of those within 5% and within 10% of it.
 CURRENT = {
-    "T": dict(measured=155, geomean=1.0146, within5=0.910, within10=0.981),
+    "T": dict(measured=152, geomean=1.0131, within5=0.928, within10=0.987),
     "H": dict(measured=9, geomean=1.0233, within5=0.889, within10=1.000),
     "A": dict(measured=38, geomean=1.0306, within5=0.789, within10=0.921),
     "B": dict(measured=36, geomean=1.0318, within5=0.750, within10=0.833),
-    "C": dict(measured=35, geomean=1.0136, within5=0.886, within10=0.971),
-    "D": dict(measured=8, geomean=1.0545, within5=0.625, within10=0.875),
+    "C": dict(measured=36, geomean=1.0132, within5=0.889, within10=0.972),
+    "D": dict(measured=8, geomean=1.0374, within5=0.750, within10=1.000),
     "E": dict(measured=10, geomean=1.0470, within5=0.800, within10=0.800),
     "F": dict(measured=4, geomean=1.0854, within5=0.000, within10=0.750),
     "G": dict(measured=4, geomean=1.0591, within5=0.500, within10=0.750),
     "I": dict(measured=37, geomean=1.0280, within5=0.838, within10=0.919),
     "J": dict(measured=37, geomean=1.0551, within5=0.649, within10=0.838),
-    "K": dict(measured=38, geomean=1.0326, within5=0.816, within10=0.895),
-    "L": dict(measured=35, geomean=1.0393, within5=0.714, within10=0.886),
+    "K": dict(measured=36, geomean=1.0248, within5=0.833, within10=0.917),
+    "L": dict(measured=34, geomean=1.0352, within5=0.735, within10=0.912),
     "M": dict(measured=37, geomean=1.0116, within5=0.838, within10=1.000),
-    "N": dict(measured=35, geomean=1.0140, within5=0.971, within10=0.971),
-    "O": dict(measured=37, geomean=1.0233, within5=0.838, within10=0.919),
+    "N": dict(measured=34, geomean=1.0145, within5=0.971, within10=0.971),
+    "O": dict(measured=36, geomean=1.0221, within5=0.861, within10=0.917),
     "P": dict(measured=34, geomean=1.0204, within5=0.882, within10=0.941),
-    "Q": dict(measured=36, geomean=1.0415, within5=0.750, within10=0.861),
+    "Q": dict(measured=34, geomean=1.0351, within5=0.794, within10=0.882),
     "R": dict(measured=37, geomean=1.0129, within5=0.892, within10=0.946),
     "S": dict(measured=38, geomean=1.0147, within5=0.868, within10=0.921),
     "U": dict(measured=36, geomean=1.0047, within5=0.944, within10=1.000),
-    "V": dict(measured=37, geomean=1.0301, within5=0.811, within10=0.838),
-    "W": dict(measured=34, geomean=1.0281, within5=0.882, within10=0.882),
+    "V": dict(measured=37, geomean=1.0250, within5=0.838, within10=0.865),
+    "W": dict(measured=33, geomean=1.0244, within5=0.909, within10=0.909),
     "X": dict(measured=0),  # its one shape's pick moved to a count source Y timed
     "Y": dict(measured=8, geomean=1.0165, within5=1.000, within10=1.000),
-    "Z": dict(measured=35, geomean=1.0187, within5=0.829, within10=0.971),
+    "Z": dict(measured=33, geomean=1.0162, within5=0.879, within10=0.970),
+    "AA": dict(measured=12, geomean=1.0769, within5=0.417, within10=0.750),
+    "AB": dict(measured=9, geomean=1.0000, within5=1.000, within10=1.000),
+    "AC": dict(measured=38, geomean=1.0099, within5=0.895, within10=1.000),
 }
 GEOMEAN_MARGIN = 0.01
 FRACTION_MARGIN = 0.03
 # B and C: six picks of the lean tiles for head dims over 128 are not timed (their sweep call ran
-# out of time); measure them with scripts/sweep_configs.py --only and raise these.
+# out of time); measure them with scripts/sweep_configs.py --only and raise these. K, L, N, O, Q,
+# W and Z: picks that moved to four-warp programs (programs no more than the SMs) or 16-token
+# tiles (one wave) are timed by the sweeps of source AA and AB, not in those sources' own runs.
 MIN_MEASURED = {"T": 152, "H": 8, "A": 35, "B": 33, "C": 34, "D": 8, "E": 9, "F": 4, "G": 4, "I": 36, "J":
-                37, "K": 38, "L": 35, "M": 37, "N": 35, "O": 37, "P": 34, "Q": 36, "R": 37, "S": 38, "U":
-                36, "V": 37, "W": 34, "X": 0, "Y": 8, "Z": 35}
+                37, "K": 36, "L": 34, "M": 37, "N": 34, "O": 36, "P": 34, "Q": 34, "R": 37, "S": 38, "U":
+                36, "V": 37, "W": 33, "X": 0, "Y": 8, "Z": 33, "AA": 12, "AB": 9, "AC": 38}
 
 
 def scores() -> dict[str, dict[str, float]]:
@@ -900,7 +944,7 @@ def scores() -> dict[str, dict[str, float]]:
 
 
 def test_timings_file_is_small_and_complete():
-    assert DATA.stat().st_size < 200_000
+    assert DATA.stat().st_size < 250_000  # a source or two a session: prune the file before it grows past this
     groups = load_timings()
     assert {src for src, _ in groups} == set(CURRENT)
     assert len(groups) >= 200 and sum(len(t) for _, t in groups.values()) > 5000

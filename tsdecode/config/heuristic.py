@@ -1,7 +1,7 @@
 """The heuristic: a default ``KernelConfig`` for any shape, from the GPU's own properties.
 
 Decode is bandwidth-bound, so the config's job is to keep enough K/V bytes in flight on every SM
-without splitting a request's work more than that needs. The model, in three steps:
+without splitting a request's work more than that needs. The model, in four steps:
 
 1. Tile family (``tile_family``). One-warp programs of small K/V tiles ("lean") for head dims up
    to 128 and up to 32 query rows a KV head, and for larger head dims where 16-token tiles stay
@@ -36,6 +36,10 @@ without splitting a request's work more than that needs. The model, in three ste
    partly filled last wave idles whole SMs: their count is the one so far or a larger one that
    fills whole waves (up to WIDE_MAX_WAVES), whichever takes least time (of ragged lengths they
    do not end together: their waves overlap, RAGGED_WIDE_TAIL).
+4. Programs against SMs (``fit_programs_to_sms``): lean programs of one split and equal lengths
+   that spill past one wave take 16-token tiles where those fit it (such a wave ends together, so
+   the spilled programs would run a second wave of their own); one-warp programs no more than the
+   SMs take four warps, since each has an SM whose other schedulers would idle.
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -67,6 +71,11 @@ LEAN_WIDE_HEAD_MAX_ROWS = 16
 # Below this many query rows a page-aligned 16-bit lean tile keeps one tile in flight (3 stages):
 # a second pays only where each tile carries more rows' math.
 LEAN_DEEP_MIN_ROWS = 5
+# The lean tile of requests whose one-split programs fit one wave only with tiles this small.
+LEAN_FIT_TOKENS = 16
+# Warp schedulers of an SM (every NVIDIA GPU since Maxwell): one-warp programs that have an SM
+# each leave all but one idle.
+SCHEDULERS_PER_SM = 4
 WIDE_TILE_BYTES = 16 * 1024
 # Four-warp programs are few an SM: where those that fit keep too few bytes loading, their tile
 # doubles, to at most this many K (and V) elements, which the program holds in registers in the
@@ -354,7 +363,40 @@ def heuristic_config(shape: ProblemShape, device: DeviceProperties) -> KernelCon
     """The model's config for ``shape`` on ``device``, fitted to the shape."""
     occ = occupancy(shape, device)
     config = dataclasses.replace(occ.config, num_kv_splits=num_kv_splits(shape, occ, device))
-    return fit_config(config, shape)[0]
+    return fit_config(fit_programs_to_sms(config, shape, occ, device), shape)[0]
+
+
+def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, occ: Occupancy,
+                        device: DeviceProperties) -> KernelConfig:
+    """Step 4: the tile and warps of programs against the SMs (``_fit_one_wave``, ``_spread_warps``)."""
+    if occ.family == "lean" and config.num_kv_splits == 1:
+        config = _fit_one_wave(config, shape, device, occ.base_programs)
+    return _spread_warps(config, shape, device)
+
+
+def _fit_one_wave(config: KernelConfig, shape: ProblemShape, device: DeviceProperties, base: int) -> KernelConfig:
+    """Requests of equal lengths whose ``base`` one-split programs spill past one wave but fit it
+    with LEAN_FIT_TOKENS-token tiles take those: their programs end together, so the spilled ones
+    would run a second wave of their own (ragged ones end apart, and later programs fill the gaps)."""
+    if config.block_n <= LEAN_FIT_TOKENS or shape.kv_len_spread >= RAGGED_SPREAD:
+        return config
+
+    def one_wave(candidate: KernelConfig) -> bool:
+        return base <= resident_programs_per_sm(candidate, shape, device, one_split=True) * device.sm_count
+
+    smaller = dataclasses.replace(config, block_n=LEAN_FIT_TOKENS)
+    return smaller if not one_wave(config) and one_wave(smaller) else config
+
+
+def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """One-warp programs no more than the SMs each have an SM to themselves, whose other warp
+    schedulers would idle: they take SCHEDULERS_PER_SM warps, which share each tile's loads and
+    products. A program of one tile has nothing to prefetch: two stages, the fewest buffers."""
+    programs = _base_programs(shape, config.block_m) * config.num_kv_splits
+    if config.num_warps != 1 or programs > device.sm_count:
+        return config
+    one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
+    return dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM, num_stages=2 if one_tile else config.num_stages)
 
 
 def scale_splits_to_raggedness(config: KernelConfig, shape: ProblemShape,
@@ -398,4 +440,4 @@ def _base_programs(shape: ProblemShape, block_m: int) -> int:
 
 
 __all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "partials_bound", "loads_in_flight",
-           "heuristic_config", "scale_splits_to_raggedness", "scale_splits_to_batch"]
+           "fit_programs_to_sms", "heuristic_config", "scale_splits_to_raggedness", "scale_splits_to_batch"]
