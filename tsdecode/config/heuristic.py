@@ -39,7 +39,8 @@ without splitting a request's work more than that needs. The model, in four step
 4. Programs against SMs (``fit_programs_to_sms``): lean programs of one split and equal lengths
    that spill past one wave take 16-token tiles where those fit it (such a wave ends together, so
    the spilled programs would run a second wave of their own); one-warp programs no more than the
-   SMs take four warps, since each has an SM whose other schedulers would idle.
+   SMs take four warps, since each has an SM whose other schedulers would idle (two stages where a
+   program has one tile: there is nothing to prefetch).
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -51,7 +52,7 @@ import math
 from dataclasses import dataclass
 
 from ..device import DeviceProperties
-from .residency import fits_an_sm, resident_programs_per_sm
+from .residency import REGISTER_SUB_PARTITIONS, fits_an_sm, resident_programs_per_sm
 from .space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, dot_block_m, fit_config
 
 # Loads in flight per SM that keep its share of DRAM bandwidth busy (bandwidth x latency).
@@ -73,9 +74,9 @@ LEAN_WIDE_HEAD_MAX_ROWS = 16
 LEAN_DEEP_MIN_ROWS = 5
 # The lean tile of requests whose one-split programs fit one wave only with tiles this small.
 LEAN_FIT_TOKENS = 16
-# Warp schedulers of an SM (every NVIDIA GPU since Maxwell): one-warp programs that have an SM
-# each leave all but one idle.
-SCHEDULERS_PER_SM = 4
+# Warp schedulers of an SM, one a register sub-partition: one-warp programs that have an SM each
+# leave all but one idle.
+SCHEDULERS_PER_SM = REGISTER_SUB_PARTITIONS
 WIDE_TILE_BYTES = 16 * 1024
 # Four-warp programs are few an SM: where those that fit keep too few bytes loading, their tile
 # doubles, to at most this many K (and V) elements, which the program holds in registers in the
