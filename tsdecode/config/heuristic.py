@@ -8,9 +8,9 @@ without splitting a request's work more than that needs. The model, in four step
    inside a page and 16 rows hold a KV head's queries; four-warp programs of ~16 KiB tiles
    ("wide") otherwise; four-warp programs of one short tile each ("short") where the whole
    problem has too few tiles to occupy the GPU with lean programs. A wide tile doubles (up to
-   WIDE_MAX_TILE_ELEMENTS, twice that where a program holds WIDE_SPILLING_TILE_MIN_ROWS query
-   rows, while it fits an SM) as long as the programs of it that fit an SM keep less than the
-   loads in flight below and the doubled tile's keep more.
+   WIDE_MAX_TILE_ELEMENTS, twice that for long requests where a program holds
+   LARGE_WIDE_TILE_MIN_ROWS query rows, while it fits an SM) as long as the programs of it that
+   fit an SM keep less than the loads in flight below and the doubled tile's keep more.
 2. Residency and target (``occupancy``). Programs of the family that fit an SM (measured
    registers and shared memory against this GPU's), the K/V bytes each keeps in flight (a
    pipeline of S stages: S - 1 tiles loading, each about half the time), and the target:
@@ -83,10 +83,14 @@ WIDE_TILE_BYTES = 16 * 1024
 # doubles, to at most this many K (and V) elements, which the program holds in registers in the
 # products' dtype (an fp8 D = 256 cache's 64-token tile already does).
 WIDE_MAX_TILE_ELEMENTS = 64 * 256
-# A tile of twice that (an fp8 D = 256 cache's 128-token tile) spills registers; it still pays
-# where a program holds at least this many query rows, whose per-tile work (the scores' max and
-# sum, the accumulator's rescaling) a tile twice as long halves.
-WIDE_SPILLING_TILE_MIN_ROWS = 5
+# A tile of twice that (an fp8 D = 256 cache's 128-token tile) takes every register a thread may
+# hold; it still pays along a long chain of tiles where a program holds at least this many query
+# rows, whose per-tile work (the scores' max and sum, the accumulator's rescaling) a tile twice as
+# long halves ...
+LARGE_WIDE_TILE_MIN_ROWS = 5
+# ... and where the mean request has at least this many tokens: a short request's programs run a
+# tile or two, whose latency the register-bound tile lengthens.
+LARGE_WIDE_TILE_MIN_TOKENS = 1024
 # A one-warp program of an fp8 cache converts every K/V element before its products, so its
 # warp is busy issuing rather than waiting on loads: an SM needs this many such warps (two per
 # scheduler) whatever bytes each keeps in flight.
@@ -184,13 +188,15 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
 
 def _fill_loads_in_flight(config: KernelConfig, shape: ProblemShape,
                           device: DeviceProperties) -> KernelConfig:
-    """A wide tile doubles, to at most WIDE_MAX_TILE_ELEMENTS (twice that from
-    WIDE_SPILLING_TILE_MIN_ROWS query rows a KV head) and while the doubled tile fits an SM, as long
-    as the programs of it that fit an SM keep less than IN_FLIGHT_BYTES_PER_SM loading and the
-    doubled tile's programs keep more: four-warp programs are few an SM, so their tile, not their
-    count, sets the bytes in flight."""
+    """A wide tile doubles, to at most WIDE_MAX_TILE_ELEMENTS (twice that for requests of
+    LARGE_WIDE_TILE_MIN_TOKENS tokens and LARGE_WIDE_TILE_MIN_ROWS query rows a KV head) and
+    while the doubled tile fits an SM, as long as the programs of it that fit an SM keep less than
+    IN_FLIGHT_BYTES_PER_SM loading and the doubled tile's programs keep more: four-warp programs
+    are few an SM, so their tile, not their count, sets the bytes in flight."""
     max_elements = WIDE_MAX_TILE_ELEMENTS
-    if shape.rows_per_kv_head >= WIDE_SPILLING_TILE_MIN_ROWS:
+    mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
+    many_rows = shape.rows_per_kv_head >= LARGE_WIDE_TILE_MIN_ROWS
+    if many_rows and mean_tokens >= LARGE_WIDE_TILE_MIN_TOKENS:
         max_elements *= 2
     while 2 * config.block_n * shape.block_d <= max_elements:
         in_flight = loads_in_flight(config, shape, device)
