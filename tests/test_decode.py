@@ -50,6 +50,9 @@ CASES = {
     "d128": Case(head_dim=128, lens=(5, 37)),
     "d192": Case(head_dim=192, lens=(5, 37), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
     "d256": Case(head_dim=256, num_qo_heads=2, num_kv_heads=1, lens=(3, 20)),
+    # the config model's 128-token tile of an fp8 D=256 cache (6 rows: the transposed products)
+    "d256-fp8-bn128": Case(head_dim=256, num_qo_heads=12, num_kv_heads=2, kv_dtype=FP8, page_size=24,
+                           lens=(5, 130, 300), config=KC(block_n=128, block_m=16, num_kv_splits=2, num_warps=4, num_stages=2)),
     # fixed SQ > 1, masks, windows
     "fixed-sq2-dense": Case(mode="fixed", seq_len_q=2, lens=(2, 40)),
     "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70), lengths="run"),
