@@ -53,6 +53,12 @@ CASES = {
     # the config model's 128-token tile of an fp8 D=256 cache (6 rows: the transposed products)
     "d256-fp8-bn128": Case(head_dim=256, num_qo_heads=12, num_kv_heads=2, kv_dtype=FP8, page_size=24,
                            lens=(5, 130, 300), config=KC(block_n=128, block_m=16, num_kv_splits=2, num_warps=4, num_stages=2)),
+    # ... and of short requests, one split: a tile or two a request, the last one partly masked
+    "d256-fp8-bn128-one-split": Case(head_dim=256, num_qo_heads=12, num_kv_heads=2, kv_dtype=FP8, page_size=8,
+                                     lens=(1, 103, 215), config=KC(block_n=128, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)),
+    # the model's one-tile programs of a small wide-family problem (D=256, pages across tiles)
+    "d256-fp8-short": Case(head_dim=256, num_qo_heads=6, num_kv_heads=2, kv_dtype=FP8, page_size=8,
+                           lens=(1, 100, 147), config=KC(block_n=32, block_m=16, num_kv_splits=5, num_warps=4, num_stages=2)),
     # fixed SQ > 1, masks, windows
     "fixed-sq2-dense": Case(mode="fixed", seq_len_q=2, lens=(2, 40)),
     "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70), lengths="run"),

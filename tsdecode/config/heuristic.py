@@ -7,10 +7,12 @@ without splitting a request's work more than that needs. The model, in four step
    to 128 and up to 32 query rows a KV head, and for larger head dims where 16-token tiles stay
    inside a page and 16 rows hold a KV head's queries; four-warp programs of ~16 KiB tiles
    ("wide") otherwise; four-warp programs of one short tile each ("short") where the whole
-   problem has too few tiles to occupy the GPU with lean programs. A wide tile doubles (up to
-   WIDE_MAX_TILE_ELEMENTS, twice that for long requests where a program holds
-   LARGE_WIDE_TILE_MIN_ROWS query rows, while it fits an SM) as long as the programs of it that
-   fit an SM keep less than the loads in flight below and the doubled tile's keep more.
+   problem has too few tiles to occupy the GPU with the family's programs and one wave holds
+   them (32-token tiles where the family is wide). A wide tile doubles (up to
+   WIDE_MAX_TILE_ELEMENTS, twice that where a program holds LARGE_WIDE_TILE_MIN_ROWS query
+   rows and the larger tile barely pads the mean request, while it fits an SM) as long as the
+   programs of it that fit an SM keep less than the loads in flight below and the doubled
+   tile's keep more.
 2. Residency and target (``occupancy``). Programs of the family that fit an SM (measured
    registers and shared memory against this GPU's), the K/V bytes each keeps in flight (a
    pipeline of S stages: S - 1 tiles loading, each about half the time), and the target:
@@ -24,7 +26,8 @@ without splitting a request's work more than that needs. The model, in four step
    target in one wave (page-crossing fp8 ones the issue target, as far as their partial outputs are
    worth), an fp8 cache's one-warp tiles inside pages no further than their partial outputs are
    worth (``partials_bound``); long requests that already reach half of it (a quarter for ragged
-   lengths, whose short requests idle SMs at a wave's end) split further, into about FULL_WAVES
+   lengths, whose short requests idle SMs at a wave's end; an eighth for one-warp programs of an
+   fp8 cache, whose conversion the schedulers run out on first) split further, into about FULL_WAVES
    waves, which balance the SMs; no count leaves a last wave that few programs use (under
    WAVE_SATURATION full). One-split programs past a wave, and counts that spill where the count
    fitting one wave would leave it barely used, take the count whose waves cost least: a last wave
@@ -84,19 +87,19 @@ WIDE_TILE_BYTES = 16 * 1024
 # products' dtype (an fp8 D = 256 cache's 64-token tile already does).
 WIDE_MAX_TILE_ELEMENTS = 64 * 256
 # A tile of twice that (an fp8 D = 256 cache's 128-token tile) takes every register a thread may
-# hold; it still pays along a long chain of tiles where a program holds at least this many query
-# rows, whose per-tile work (the scores' max and sum, the accumulator's rescaling) a tile twice as
-# long halves ...
+# hold; it still pays where a program holds at least this many query rows, whose per-tile work
+# (the scores' max and sum, the accumulator's rescaling) a tile twice as long halves ...
 LARGE_WIDE_TILE_MIN_ROWS = 5
-# ... and where the mean request has at least this many tokens: a short request's programs run a
-# tile or two, whose latency the register-bound tile lengthens.
-LARGE_WIDE_TILE_MIN_TOKENS = 1024
+# ... unless it pads the mean request by more than this share of its tokens beyond what the
+# smaller tile pads: a short request's programs run a tile or two, and a half-empty last tile of
+# the register-bound size costs nearly a full one.
+LARGE_WIDE_TILE_MAX_PADDING = 1 / 16
 # A one-warp program of an fp8 cache converts every K/V element before its products, so its
 # warp is busy issuing rather than waiting on loads: an SM needs this many such warps (two per
 # scheduler) whatever bytes each keeps in flight.
 FP8_MIN_WARPS_PER_SM = 8
-# "short": at most this many visible tokens, and fewer lean tiles in the whole problem than
-# SHORT_TILES_PER_SM per SM.
+# "short": at most this many visible tokens, and fewer lean tiles (SHORT_BLOCK_N-token ones where
+# the family is wide) in the whole problem than SHORT_TILES_PER_SM per SM.
 SHORT_MAX_TOKENS = 512
 SHORT_TILES_PER_SM = 2
 SHORT_BLOCK_N = 32
@@ -111,6 +114,11 @@ LONG_TARGET_DIVISOR = 2
 RAGGED_SPREAD = 1.1
 RAGGED_MIN_TOKENS_PER_LONG_SPLIT = 256
 RAGGED_LONG_TARGET_DIVISOR = 4
+# One-warp programs of an fp8 cache convert every K/V element, so their SMs' schedulers, not the
+# loads, run out first: the more waves of them that balance the SMs pay from an eighth of the
+# target. Not on one-token pages, where every token is a gather of its own and the long split's
+# extra programs measured slower.
+FP8_LONG_TARGET_DIVISOR = 8
 # Programs past one wave: a wave less than WAVE_SATURATION full costs as much as one that full
 # (less where the target is a smaller share of the programs that fit, ``_saturation``), and
 # each split past the first costs SPLIT_COST more (partials and the merge).
@@ -163,7 +171,10 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
         lean = shape.rows_per_kv_head <= LEAN_WIDE_HEAD_MAX_ROWS and page % LEAN_WIDE_HEAD_TOKENS == 0
     else:
         lean = shape.rows_per_kv_head <= LEAN_MAX_ROWS
-    if not lean:
+    if not lean:  # a larger one-tile program holds more registers than its one tile pays for
+        short = _short_config(shape, block_m, SHORT_BLOCK_N, SHORT_BLOCK_N, device)
+        if short is not None:
+            return short, "short"
         block_n = min(64 if block_d <= LEAN_MAX_HEAD_DIM else 128,
                       max(16, WIDE_TILE_BYTES // (block_d * kv_bytes)))
         wide = KernelConfig(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2)
@@ -178,26 +189,42 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
         block_n = 16 if page % 16 == 0 and page % LEAN_TOKENS else LEAN_TOKENS
         aligned = page % block_n == 0
         stages = 3 if aligned and shape.rows_per_kv_head < LEAN_DEEP_MIN_ROWS else 5
-    base = _base_programs(shape, block_m)
-    tokens = shape.max_visible_tiles(1)
-    if tokens <= SHORT_MAX_TOKENS and base * shape.max_visible_tiles(block_n) < SHORT_TILES_PER_SM * device.sm_count:
-        block_n = 128 if tokens <= 128 else SHORT_BLOCK_N
-        return KernelConfig(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2), "short"
+    short_block_n = 128 if shape.max_visible_tiles(1) <= 128 else SHORT_BLOCK_N
+    short = _short_config(shape, block_m, block_n, short_block_n, device)
+    if short is not None:
+        return short, "short"
     return KernelConfig(block_n=block_n, block_m=block_m, num_warps=1, num_stages=stages), "lean"
+
+
+def _short_config(shape: ProblemShape, block_m: int, block_n: int, short_block_n: int,
+                  device: DeviceProperties) -> KernelConfig | None:
+    """Four-warp programs of one ``short_block_n``-token tile each, where the problem has at most
+    SHORT_MAX_TOKENS visible tokens and fewer ``block_n``-token tiles than SHORT_TILES_PER_SM an
+    SM (too few to occupy the GPU with the family's programs) and they all fit one wave."""
+    base, sms = _base_programs(shape, block_m), device.sm_count
+    if (shape.max_visible_tiles(1) > SHORT_MAX_TOKENS
+            or base * shape.max_visible_tiles(block_n) >= SHORT_TILES_PER_SM * sms):
+        return None
+    short = KernelConfig(block_n=short_block_n, block_m=block_m, num_warps=4, num_stages=2)
+    one_wave = resident_programs_per_sm(short, shape, device, one_split=False) * sms
+    return short if base * shape.max_visible_tiles(short_block_n) <= one_wave else None
 
 
 def _fill_loads_in_flight(config: KernelConfig, shape: ProblemShape,
                           device: DeviceProperties) -> KernelConfig:
-    """A wide tile doubles, to at most WIDE_MAX_TILE_ELEMENTS (twice that for requests of
-    LARGE_WIDE_TILE_MIN_TOKENS tokens and LARGE_WIDE_TILE_MIN_ROWS query rows a KV head) and
-    while the doubled tile fits an SM, as long as the programs of it that fit an SM keep less than
-    IN_FLIGHT_BYTES_PER_SM loading and the doubled tile's programs keep more: four-warp programs
-    are few an SM, so their tile, not their count, sets the bytes in flight."""
+    """A wide tile doubles, to at most WIDE_MAX_TILE_ELEMENTS (twice that for
+    LARGE_WIDE_TILE_MIN_ROWS query rows a KV head and a mean request that the larger tile pads by
+    at most LARGE_WIDE_TILE_MAX_PADDING more) and while the doubled tile fits an SM, as long as
+    the programs of it that fit an SM keep less than IN_FLIGHT_BYTES_PER_SM loading and the
+    doubled tile's programs keep more: four-warp programs are few an SM, so their tile, not their
+    count, sets the bytes in flight."""
     max_elements = WIDE_MAX_TILE_ELEMENTS
-    mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
-    many_rows = shape.rows_per_kv_head >= LARGE_WIDE_TILE_MIN_ROWS
-    if many_rows and mean_tokens >= LARGE_WIDE_TILE_MIN_TOKENS:
-        max_elements *= 2
+    if shape.rows_per_kv_head >= LARGE_WIDE_TILE_MIN_ROWS:
+        mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
+        tokens = max_elements // shape.block_d
+        padding = _padded(mean_tokens, 2 * tokens) - _padded(mean_tokens, tokens)
+        if padding <= LARGE_WIDE_TILE_MAX_PADDING * mean_tokens:
+            max_elements *= 2
     while 2 * config.block_n * shape.block_d <= max_elements:
         in_flight = loads_in_flight(config, shape, device)
         larger = dataclasses.replace(config, block_n=2 * config.block_n)
@@ -206,6 +233,11 @@ def _fill_loads_in_flight(config: KernelConfig, shape: ProblemShape,
             break
         config = larger
     return config
+
+
+def _padded(tokens: float, block_n: int) -> int:
+    """The tokens of ``block_n``-token tiles that hold ``tokens``."""
+    return math.ceil(tokens / block_n) * block_n
 
 
 def loads_in_flight(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> float:
@@ -258,7 +290,7 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
         splits = max(1, resident * sms // base)
         if base * splits < WAVE_SATURATION * resident * sms:  # unless that leaves it barely used
             splits = _fullest_waves(base, occ, tiles, sms)
-    divisor, min_tokens = long_split_limits(shape)
+    divisor, min_tokens = long_split_limits(shape, occ.config)
     balanced = False  # split into waves that balance the SMs, which _time does not count
     if base >= occ.target * sms / divisor:
         mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
@@ -286,12 +318,17 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     return splits
 
 
-def long_split_limits(shape: ProblemShape) -> tuple[int, int]:
-    """Where the long-request split starts (programs of one split >= target / divisor) and the
-    fewest tokens of the mean request it leaves a split: (divisor, min_tokens)."""
+def long_split_limits(shape: ProblemShape, config: KernelConfig) -> tuple[int, int]:
+    """Where the long-request split of ``config``'s programs starts (programs of one split >=
+    target / divisor) and the fewest tokens of the mean request it leaves a split:
+    (divisor, min_tokens)."""
     if shape.kv_len_spread >= RAGGED_SPREAD:
-        return RAGGED_LONG_TARGET_DIVISOR, RAGGED_MIN_TOKENS_PER_LONG_SPLIT
-    return LONG_TARGET_DIVISOR, MIN_TOKENS_PER_LONG_SPLIT
+        divisor, min_tokens = RAGGED_LONG_TARGET_DIVISOR, RAGGED_MIN_TOKENS_PER_LONG_SPLIT
+    else:
+        divisor, min_tokens = LONG_TARGET_DIVISOR, MIN_TOKENS_PER_LONG_SPLIT
+    if shape.kv_dtype.itemsize == 1 and config.num_warps == 1 and shape.page_size > 1:
+        divisor = max(divisor, FP8_LONG_TARGET_DIVISOR)
+    return divisor, min_tokens
 
 
 def partials_bound(shape: ProblemShape, target_splits: int) -> int:
