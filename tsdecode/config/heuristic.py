@@ -37,14 +37,15 @@ without splitting a request's work more than that needs. The model, in four step
    outputs cost, and where the fp8 minimum raised the target, the count from the loads' own target
    up that takes least time wins (``_time``: each wave lasts the longer of a program's chain of
    tiles and its busiest SM's K/V bytes). Four-warp programs of a wide tile end together, so a
-   partly filled last wave idles whole SMs: their count is the one so far or a larger one that
-   fills whole waves (up to WIDE_MAX_WAVES), whichever takes least time (of ragged lengths they
-   do not end together: their waves overlap, RAGGED_WIDE_TAIL).
+   partly filled last wave idles whole SMs: their count is the one so far, a larger one that
+   fills whole waves (up to WIDE_MAX_WAVES) or, of a 16-bit cache on pages of more than one
+   token, one where a wave holds its programs, whichever takes least time (of ragged lengths
+   they do not end together: their waves overlap).
 4. Programs against SMs (``fit_programs_to_sms``): lean programs of one split and equal lengths
-   that spill past one wave take 16-token tiles where those fit it (such a wave ends together, so
-   the spilled programs would run a second wave of their own); one-warp programs no more than the
-   SMs take four warps, since each has an SM whose other schedulers would idle (two stages where a
-   program has one tile: there is nothing to prefetch).
+   that spill past one wave take 16-token tiles, or 16-token tiles fewer stages, where those fit
+   it (such a wave ends together, so the spilled programs would run a second wave of their own);
+   one-warp programs no more than the SMs take four warps, since each has an SM whose other
+   schedulers would idle (two stages where a program has one tile: nothing to prefetch).
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -76,8 +77,10 @@ LEAN_WIDE_HEAD_MAX_ROWS = 16
 # Below this many query rows a page-aligned 16-bit lean tile keeps one tile in flight (3 stages):
 # a second pays only where each tile carries more rows' math.
 LEAN_DEEP_MIN_ROWS = 5
-# The lean tile of requests whose one-split programs fit one wave only with tiles this small.
+# The lean tile of requests whose one-split programs fit one wave only with tiles this small, and
+# the stages of such a tile that fits it only with fewer buffers.
 LEAN_FIT_TOKENS = 16
+LEAN_FIT_STAGES = 3
 # Warp schedulers of an SM, one a register sub-partition: one-warp programs that have an SM each
 # leave all but one idle.
 SCHEDULERS_PER_SM = REGISTER_SUB_PARTITIONS
@@ -302,9 +305,15 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     if splits == 1 and base > occ.resident_one_split * sms:
         splits = _fullest_waves(base, occ, tiles, sms)
     splits = min(splits, MAX_NUM_KV_SPLITS)
-    if occ.family == "wide":  # the count so far, or a larger one that fills whole waves: the least time
+    if occ.family == "wide":  # the count so far, a larger one filling whole waves, or one: least time
         fills = (waves * resident * sms // base for waves in range(1, WIDE_MAX_WAVES + 1))
         counts = [splits, *(count for count in fills if splits < count <= min(tiles, MAX_NUM_KV_SPLITS))]
+        # One split where one wave holds its programs, of a 16-bit cache on pages longer than a
+        # token: an fp8 tile's chain is its conversion and products, a one-token page tile's its
+        # tokens' page-ID loads, longer than the load latency _time counts.
+        if (not balanced and base <= occ.resident_one_split * sms and shape.kv_dtype.itemsize > 1
+                and shape.page_size > 1):
+            counts.append(1)
         return min(counts, key=lambda count: _time(shape, occ, count, sms))
     one_warp = occ.config.num_warps == 1  # _time's chain: four warps overlap their tiles' loads
     if splits > 1 and one_warp and not balanced:
@@ -429,16 +438,22 @@ def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, occ: Occupanc
 
 def _fit_one_wave(config: KernelConfig, shape: ProblemShape, device: DeviceProperties, base: int) -> KernelConfig:
     """Requests of equal lengths whose ``base`` one-split programs spill past one wave but fit it
-    with LEAN_FIT_TOKENS-token tiles take those: their programs end together, so the spilled ones
-    would run a second wave of their own (ragged ones end apart, and later programs fill the gaps)."""
-    if config.block_n <= LEAN_FIT_TOKENS or shape.kv_len_spread >= RAGGED_SPREAD:
+    with LEAN_FIT_TOKENS-token tiles (LEAN_FIT_STAGES stages where the tile is that already) take
+    those: their programs end together, so the spilled ones would run a second wave of their own
+    (ragged ones end apart, and later programs fill the gaps)."""
+    if shape.kv_len_spread >= RAGGED_SPREAD:
         return config
 
     def one_wave(candidate: KernelConfig) -> bool:
         return base <= resident_programs_per_sm(candidate, shape, device, one_split=True) * device.sm_count
 
-    smaller = dataclasses.replace(config, block_n=LEAN_FIT_TOKENS)
-    return smaller if not one_wave(config) and one_wave(smaller) else config
+    if one_wave(config):
+        return config
+    if config.block_n > LEAN_FIT_TOKENS:
+        smaller = dataclasses.replace(config, block_n=LEAN_FIT_TOKENS)
+    else:  # the tile is already the smallest: fewer buffers of it
+        smaller = dataclasses.replace(config, num_stages=min(config.num_stages, LEAN_FIT_STAGES))
+    return smaller if one_wave(smaller) else config
 
 
 def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
@@ -475,22 +490,9 @@ def scale_splits_to_raggedness(config: KernelConfig, shape: ProblemShape,
     return dataclasses.replace(config, num_kv_splits=splits), (note,)
 
 
-def scale_splits_to_batch(config: KernelConfig, tuned_batch_size: int,
-                          batch_size: int) -> tuple[KernelConfig, tuple[str, ...]]:
-    """Keep the program count of a config tuned at another batch size of its bucket."""
-    if tuned_batch_size == batch_size:
-        return config, ()
-    splits = max(1, min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * tuned_batch_size / batch_size)))
-    if splits == config.num_kv_splits:
-        return config, ()
-    note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: entry tuned at batch size "
-            f"{tuned_batch_size}, scaled to keep its program count at batch size {batch_size}")
-    return dataclasses.replace(config, num_kv_splits=splits), (note,)
-
-
 def _base_programs(shape: ProblemShape, block_m: int) -> int:
     return shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // block_m)
 
 
 __all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "partials_bound", "loads_in_flight",
-           "fit_programs_to_sms", "heuristic_config", "scale_splits_to_raggedness", "scale_splits_to_batch"]
+           "fit_programs_to_sms", "heuristic_config", "scale_splits_to_raggedness"]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 from ..device import DeviceProperties
 from . import tables
-from .heuristic import heuristic_config, scale_splits_to_batch, scale_splits_to_raggedness
-from .space import KernelConfig, ProblemShape, fit_config
+from .heuristic import heuristic_config, scale_splits_to_raggedness
+from .space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, fit_config
 
 
 @dataclass(frozen=True)
@@ -58,3 +59,16 @@ def select_config(shape: ProblemShape, device: DeviceProperties, explicit: Kerne
     config, ragged = scale_splits_to_raggedness(heuristic_config(shape, device), shape, device)
     fitted, changes = fit_config(config, shape)
     return SelectedConfig(fitted, "heuristic", adjustments=ragged + changes)
+
+
+def scale_splits_to_batch(config: KernelConfig, tuned_batch_size: int,
+                          batch_size: int) -> tuple[KernelConfig, tuple[str, ...]]:
+    """Keep the program count of a config tuned at another batch size of its bucket."""
+    if tuned_batch_size == batch_size:
+        return config, ()
+    splits = max(1, min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * tuned_batch_size / batch_size)))
+    if splits == config.num_kv_splits:
+        return config, ()
+    note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: entry tuned at batch size "
+            f"{tuned_batch_size}, scaled to keep its program count at batch size {batch_size}")
+    return dataclasses.replace(config, num_kv_splits=splits), (note,)
