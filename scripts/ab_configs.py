@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 from bench_decode import check_correct, time_config  # noqa: E402
-from tsdecode.config.heuristic import heuristic_config, scale_splits_to_raggedness  # noqa: E402
+from tsdecode.config.heuristic import heuristic_config  # noqa: E402
+from tsdecode.config.select import scale_splits_to_raggedness  # noqa: E402
 from tsdecode.config.space import MAX_NUM_KV_SPLITS, KernelConfig, fit_config  # noqa: E402
 from tsdecode.device import DeviceProperties, device_properties  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402

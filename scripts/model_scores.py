@@ -67,7 +67,8 @@ def load_timings(path: Path = DATA) -> dict:
 
 def model_pick(shape):
     """What a plan without a table gets on the H200."""
-    from tsdecode.config.heuristic import heuristic_config, scale_splits_to_raggedness
+    from tsdecode.config.heuristic import heuristic_config
+    from tsdecode.config.select import scale_splits_to_raggedness
     from tsdecode.config.space import fit_config
 
     device = h200()

@@ -27,7 +27,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tsdecode.config.heuristic import heuristic_config, scale_splits_to_raggedness
+from tsdecode.config.heuristic import heuristic_config
+from tsdecode.config.select import scale_splits_to_raggedness
 from tsdecode.device import device_properties
 
 from .grids import DTYPES, ShapeSpec

@@ -8,11 +8,11 @@ without splitting a request's work more than that needs. The model, in four step
    inside a page and 16 rows hold a KV head's queries; four-warp programs of ~16 KiB tiles
    ("wide") otherwise; four-warp programs of one short tile each ("short") where the whole
    problem has too few tiles to occupy the GPU with the family's programs and one wave holds
-   them (32-token tiles where the family is wide). A wide tile doubles (up to
-   WIDE_MAX_TILE_ELEMENTS, twice that where a program holds LARGE_WIDE_TILE_MIN_ROWS query
-   rows and the larger tile barely pads the mean request, while it fits an SM) as long as the
-   programs of it that fit an SM keep less than the loads in flight below and the doubled
-   tile's keep more.
+   them (32-token tiles; a whole request's where the family is lean and one tile of at most
+   WIDE_MAX_TILE_ELEMENTS holds it). A wide tile doubles (up to WIDE_MAX_TILE_ELEMENTS, twice
+   that where a program holds LARGE_WIDE_TILE_MIN_ROWS query rows and the larger tile barely pads
+   the mean request, while it fits an SM) as long as the programs of it that fit an SM keep less
+   than the loads in flight below and the doubled tile's keep more.
 2. Residency and target (``occupancy``). Programs of the family that fit an SM (measured
    registers and shared memory against this GPU's), the K/V bytes each keeps in flight (a
    pipeline of S stages: S - 1 tiles loading, each about half the time), and the target:
@@ -29,18 +29,21 @@ without splitting a request's work more than that needs. The model, in four step
    lengths, whose short requests idle SMs at a wave's end; an eighth for one-warp programs of an
    fp8 cache, whose conversion the schedulers run out on first) split further, into about FULL_WAVES
    waves, which balance the SMs; no count leaves a last wave that few programs use (under
-   WAVE_SATURATION full). One-split programs past a wave, and counts that spill where the count
-   fitting one wave would leave it barely used, take the count whose waves cost least: a last wave
-   costs at least WAVE_SATURATION of a full one, or the target's share of what fits where that is
-   less (a wave holding the target's programs keeps the loads in flight). Last, a one-warp count
-   above one, other than the long requests', must save more time than its merge pass and partial
-   outputs cost, and where the fp8 minimum raised the target, the count from the loads' own target
-   up that takes least time wins (``_time``: each wave lasts the longer of a program's chain of
-   tiles and its busiest SM's K/V bytes). Four-warp programs of a wide tile end together, so a
-   partly filled last wave idles whole SMs: their count is the one so far, a larger one that
-   fills whole waves (up to WIDE_MAX_WAVES) or, of a 16-bit cache on pages of more than one
-   token, one where a wave holds its programs, whichever takes least time (of ragged lengths
-   they do not end together: their waves overlap).
+   WAVE_SATURATION full); one-warp fp8 programs of equal lengths, busy issuing, take fewer splits
+   where the count puts more of them on an SM's busiest scheduler than the issue target and fewer
+   leave that scheduler less work (``_within_schedulers``). One-split programs past a wave, and
+   counts that spill where the count fitting one wave would leave it barely used, take the count
+   whose waves cost least: a last wave costs at least WAVE_SATURATION of a full one, or the
+   target's share of what fits where that is less (a wave holding the target's programs keeps the
+   loads in flight). Last, a one-warp count above one, other than the long requests', must save
+   more time than its merge pass and partial outputs cost, and where the fp8 minimum raised the
+   target, the count from the loads' own target up that takes least time wins (``_time``: each
+   wave lasts the longer of a program's chain of tiles and its busiest SM's K/V bytes; programs
+   of ragged lengths past a wave do not end together, so their waves overlap). Four-warp
+   programs of a wide tile end together, so a partly filled last wave idles whole SMs: their
+   count is the one so far, a larger one that fills whole waves (up to WIDE_MAX_WAVES) or, of a
+   16-bit cache on pages of more than one token, one where a wave holds its programs, whichever
+   takes least time.
 4. Programs against SMs (``fit_programs_to_sms``): lean programs of one split and equal lengths
    that spill past one wave take 16-token tiles, or 16-token tiles fewer stages, where those fit
    it (such a wave ends together, so the spilled programs would run a second wave of their own);
@@ -57,7 +60,7 @@ import math
 from dataclasses import dataclass
 
 from ..device import DeviceProperties
-from .residency import REGISTER_SUB_PARTITIONS, fits_an_sm, resident_programs_per_sm
+from .residency import REGISTER_SUB_PARTITIONS, fits_an_sm, loads_in_flight, resident_programs_per_sm
 from .space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, dot_block_m, fit_config
 
 # Loads in flight per SM that keep its share of DRAM bandwidth busy (bandwidth x latency).
@@ -102,10 +105,13 @@ LARGE_WIDE_TILE_MAX_PADDING = 1 / 16
 # scheduler) whatever bytes each keeps in flight.
 FP8_MIN_WARPS_PER_SM = 8
 # "short": at most this many visible tokens, and fewer lean tiles (SHORT_BLOCK_N-token ones where
-# the family is wide) in the whole problem than SHORT_TILES_PER_SM per SM.
+# the family is wide) in the whole problem than SHORT_TILES_PER_SM per SM. A program takes a whole
+# request in one SHORT_WHOLE_BLOCK_N-token tile where that holds it and stays within
+# WIDE_MAX_TILE_ELEMENTS (a four-warp program holds its tile in registers).
 SHORT_MAX_TOKENS = 512
 SHORT_TILES_PER_SM = 2
 SHORT_BLOCK_N = 32
+SHORT_WHOLE_BLOCK_N = 128
 # Long requests: about FULL_WAVES waves of splits of at least MIN_TOKENS_PER_LONG_SPLIT tokens
 # of the mean request, once one split's programs reach 1 / LONG_TARGET_DIVISOR of the target.
 # Ragged batches (longest / mean >= RAGGED_SPREAD) take them from a quarter of the target and
@@ -126,6 +132,10 @@ FP8_LONG_TARGET_DIVISOR = 8
 # (less where the target is a smaller share of the programs that fit, ``_saturation``), and
 # each split past the first costs SPLIT_COST more (partials and the merge).
 WAVE_SATURATION = 0.6
+# One-warp fp8 programs are busy issuing, so an SM lasts as long as its busiest scheduler's warps
+# take; fewer splits that keep it at the issue target must cut its tiles to this share (they also
+# keep fewer loads in flight).
+SCHEDULER_GAIN = 0.9
 SPLIT_COST = 0.03
 MAX_MEND_SPLITS = 64
 # Each split of a request's KV head writes its query rows' fp32 partial outputs, which the merge
@@ -141,10 +151,10 @@ MERGE_ROW_BYTES = 16 * 1024
 # Four-warp programs of a wide tile end together, so a partly filled last wave idles whole SMs:
 # their count may grow to one that fills up to this many whole waves, where ``_time`` says so.
 WIDE_MAX_WAVES = 8
-# Four-warp programs of ragged lengths do not end together: past one wave, each SM starts the next
-# program as one ends, so the waves overlap and the kernel lasts the mean program's chain a wave
-# plus this share of the longest program's chain (the programs still running at the end).
-RAGGED_WIDE_TAIL = 0.3
+# Programs of ragged lengths do not end together: past one wave, each SM starts the next program
+# as one ends, so the waves overlap and the kernel lasts the mean program's chain a wave plus this
+# share of the longest program's chain (the programs still running at the end).
+RAGGED_TAIL = 0.3
 # Each such program's start (its query rows, the lengths, the first page IDs) and end (its
 # outputs) cost about this share of one tile's load latency on top of its chain.
 PROGRAM_EDGES_TILES = 0.5
@@ -192,7 +202,9 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
         block_n = 16 if page % 16 == 0 and page % LEAN_TOKENS else LEAN_TOKENS
         aligned = page % block_n == 0
         stages = 3 if aligned and shape.rows_per_kv_head < LEAN_DEEP_MIN_ROWS else 5
-    short_block_n = 128 if shape.max_visible_tiles(1) <= 128 else SHORT_BLOCK_N
+    whole = (shape.max_visible_tiles(1) <= SHORT_WHOLE_BLOCK_N
+             and SHORT_WHOLE_BLOCK_N * block_d <= WIDE_MAX_TILE_ELEMENTS)
+    short_block_n = SHORT_WHOLE_BLOCK_N if whole else SHORT_BLOCK_N
     short = _short_config(shape, block_m, block_n, short_block_n, device)
     if short is not None:
         return short, "short"
@@ -243,14 +255,6 @@ def _padded(tokens: float, block_n: int) -> int:
     return math.ceil(tokens / block_n) * block_n
 
 
-def loads_in_flight(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> float:
-    """K/V bytes an SM keeps loading with as many split programs of ``config`` as fit: each keeps
-    (stages - 1) / 2 tiles in flight."""
-    tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize
-    fits = resident_programs_per_sm(config, shape, device, one_split=False)
-    return fits * (config.num_stages - 1) / 2 * tile_bytes
-
-
 def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
     """Steps 1 and 2: the family, what fits an SM, and the target programs per SM."""
     config, family = tile_family(shape, device)
@@ -275,7 +279,7 @@ def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
 
 
 def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) -> int:
-    """Step 3: the split count (before ``scale_splits_to_raggedness``)."""
+    """Step 3: the split count (before ``select.scale_splits_to_raggedness``)."""
     sms = device.sm_count
     base, resident = occ.base_programs, occ.resident
     tiles = shape.max_visible_tiles(occ.config.block_n)
@@ -288,7 +292,7 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     inside_pages = occ.config.num_warps == 1 and shape.page_size % occ.config.block_n == 0
     if inside_pages and splits <= tiles:  # the target fits the tiles: no more than partials are worth
         splits = min(splits, partials_bound(shape, splits))
-    splits = min(splits, tiles)
+    splits = _within_schedulers(shape, occ, min(splits, tiles), tiles, sms)
     if splits > 1 and base * splits > resident * sms:  # never spill into a second wave
         splits = max(1, resident * sms // base)
         if base * splits < WAVE_SATURATION * resident * sms:  # unless that leaves it barely used
@@ -327,6 +331,22 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
     return splits
 
 
+def _within_schedulers(shape: ProblemShape, occ: Occupancy, splits: int, tiles: int, sms: int) -> int:
+    """``splits``, or for one-warp programs of an fp8 cache (busy issuing their conversion) and
+    equal lengths the largest count that puts no more of them on an SM's busiest scheduler than
+    the issue target does, where that leaves the busiest scheduler SCHEDULER_GAIN of the tiles or
+    fewer: the SM's other schedulers would wait for it (ragged programs end apart anyway)."""
+    if shape.kv_dtype.itemsize != 1 or occ.config.num_warps != 1 or shape.kv_len_spread >= RAGGED_SPREAD:
+        return splits
+    target_warps = -(-math.ceil(occ.issue_target) // SCHEDULERS_PER_SM)  # on the busiest scheduler
+    fewer = max(1, min(splits, target_warps * SCHEDULERS_PER_SM * sms // occ.base_programs))
+
+    def busiest(count: int) -> int:  # the busiest scheduler's warps times the tiles of each
+        programs_per_sm = -(-occ.base_programs * count // sms)
+        return -(-programs_per_sm // SCHEDULERS_PER_SM) * -(-tiles // count)
+    return fewer if busiest(fewer) <= SCHEDULER_GAIN * busiest(splits) else splits
+
+
 def long_split_limits(shape: ProblemShape, config: KernelConfig) -> tuple[int, int]:
     """Where the long-request split of ``config``'s programs starts (programs of one split >=
     target / divisor) and the fewest tokens of the mean request it leaves a split:
@@ -363,9 +383,9 @@ def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
     """The kernel time of ``splits`` splits, in bytes an SM streams meanwhile. Each wave lasts the
     longer of a program's chain of the longest request's tiles (a tile takes a load latency,
     IN_FLIGHT_BYTES_PER_SM, over the tiles the program keeps in flight) and its busiest SM's K/V
-    bytes of the mean request; four-warp programs of ragged lengths past one wave overlap their
-    waves instead, each lasting the mean request's chain and its program's edges, with a tail of
-    the longest chain (RAGGED_WIDE_TAIL, PROGRAM_EDGES_TILES). A split count adds the merge pass
+    bytes of the mean request; programs of ragged lengths past one wave overlap their waves
+    instead, each lasting the mean request's chain and its program's edges, with a tail of the
+    longest chain (RAGGED_TAIL, PROGRAM_EDGES_TILES). A split count adds the merge pass
     (its start, and one program per query row and head, the busiest SM's share of them) and its
     busiest SM's partial outputs, written and read back."""
     config = occ.config
@@ -377,10 +397,10 @@ def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
     chain = -(-tiles // splits) * latency
     per_wave = (occ.resident_one_split if splits == 1 else occ.resident) * sms
     programs = occ.base_programs * splits
-    if occ.family == "wide" and spread >= RAGGED_SPREAD and programs > per_wave:
+    if spread >= RAGGED_SPREAD and programs > per_wave:  # ragged programs end apart
         mean_chain = (tiles / spread / splits + PROGRAM_EDGES_TILES) * latency
         waves = programs / per_wave
-        time = max(chain, waves * max(mean_chain, per_wave // sms * split_bytes) + RAGGED_WIDE_TAIL * chain)
+        time = max(chain, waves * max(mean_chain, per_wave // sms * split_bytes) + RAGGED_TAIL * chain)
     else:
         full_waves, last = divmod(programs, per_wave)
         time = full_waves * max(chain, per_wave // sms * split_bytes)
@@ -467,32 +487,9 @@ def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DevicePrope
     return dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM, num_stages=2 if one_tile else config.num_stages)
 
 
-def scale_splits_to_raggedness(config: KernelConfig, shape: ProblemShape,
-                               device: DeviceProperties) -> tuple[KernelConfig, tuple[str, ...]]:
-    """More splits for ragged fixed lengths (longest / mean = shape.kv_len_spread >= 1.1): in one
-    wave the kernel lasts as long as the longest request's split while the bytes are the mean's,
-    so splits grow by the spread (at most 4x) while the programs stay within one wave, where that
-    shortens the longest request's split (a request's tiles are split ceil(tiles / S) at a time:
-    past that, more splits only add programs and partials) and stays within ``partials_bound``."""
-    factor = min(shape.kv_len_spread, 4.0)
-    if factor < RAGGED_SPREAD:
-        return config, ()
-    base = _base_programs(shape, config.block_m)
-    wave = resident_programs_per_sm(config, shape, device, one_split=False) * device.sm_count
-    splits = min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * factor))
-    tiles = shape.max_visible_tiles(config.block_n)
-    if base * config.num_kv_splits * factor > wave or -(-tiles // splits) >= -(-tiles // config.num_kv_splits):
-        return config, ()
-    if splits > partials_bound(shape, splits):  # the added partials cost more than the tail saves
-        return config, ()
-    note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: ragged lengths (longest / mean "
-            f"= {shape.kv_len_spread:.2f}) in one wave of {wave} programs")
-    return dataclasses.replace(config, num_kv_splits=splits), (note,)
-
-
 def _base_programs(shape: ProblemShape, block_m: int) -> int:
     return shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // block_m)
 
 
-__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "partials_bound", "loads_in_flight",
-           "fit_programs_to_sms", "heuristic_config", "scale_splits_to_raggedness"]
+__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "partials_bound",
+           "fit_programs_to_sms", "heuristic_config"]

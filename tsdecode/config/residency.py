@@ -1,4 +1,5 @@
-"""How many split-kernel programs fit one SM at once: measured resources, counted as CUDA does.
+"""How many split-kernel programs fit one SM at once (measured resources, counted as CUDA does),
+and the K/V bytes they keep loading.
 
 Registers and shared memory per config come from ``data/split_kernel_resources.csv`` (measured
 from compiled kernels; ``scripts/occupancy.py --resources`` writes it). The page size is compiled
@@ -159,3 +160,11 @@ def _resident(kv_bytes: int, block_d: int, rows: int, page_size: int, block_m: i
     by_registers = min(warps, MAX_WARPS_PER_SM) // num_warps
     by_shared = shared_per_sm // (shared + SHARED_MEMORY_RESERVED_PER_PROGRAM)
     return max(1, min(by_registers, by_shared, MAX_PROGRAMS_PER_SM))
+
+
+def loads_in_flight(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> float:
+    """K/V bytes an SM keeps loading with as many split programs of ``config`` as fit: each keeps
+    (stages - 1) / 2 tiles in flight."""
+    tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize
+    fits = resident_programs_per_sm(config, shape, device, one_split=False)
+    return fits * (config.num_stages - 1) / 2 * tile_bytes

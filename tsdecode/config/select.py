@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from ..device import DeviceProperties
 from . import tables
-from .heuristic import heuristic_config, scale_splits_to_raggedness
+from .heuristic import RAGGED_SPREAD, heuristic_config, partials_bound
+from .residency import resident_programs_per_sm
 from .space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, fit_config
 
 
@@ -71,4 +72,27 @@ def scale_splits_to_batch(config: KernelConfig, tuned_batch_size: int,
         return config, ()
     note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: entry tuned at batch size "
             f"{tuned_batch_size}, scaled to keep its program count at batch size {batch_size}")
+    return dataclasses.replace(config, num_kv_splits=splits), (note,)
+
+
+def scale_splits_to_raggedness(config: KernelConfig, shape: ProblemShape,
+                               device: DeviceProperties) -> tuple[KernelConfig, tuple[str, ...]]:
+    """More splits for ragged fixed lengths (longest / mean = shape.kv_len_spread >= 1.1): in one
+    wave the kernel lasts as long as the longest request's split while the bytes are the mean's,
+    so splits grow by the spread (at most 4x) while the programs stay within one wave, where that
+    shortens the longest request's split (a request's tiles are split ceil(tiles / S) at a time:
+    past that, more splits only add programs and partials) and stays within ``partials_bound``."""
+    factor = min(shape.kv_len_spread, 4.0)
+    if factor < RAGGED_SPREAD:
+        return config, ()
+    base = shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // config.block_m)
+    wave = resident_programs_per_sm(config, shape, device, one_split=False) * device.sm_count
+    splits = min(MAX_NUM_KV_SPLITS, round(config.num_kv_splits * factor))
+    tiles = shape.max_visible_tiles(config.block_n)
+    if base * config.num_kv_splits * factor > wave or -(-tiles // splits) >= -(-tiles // config.num_kv_splits):
+        return config, ()
+    if splits > partials_bound(shape, splits):  # the added partials cost more than the tail saves
+        return config, ()
+    note = (f"num_kv_splits {config.num_kv_splits} -> {splits}: ragged lengths (longest / mean "
+            f"= {shape.kv_len_spread:.2f}) in one wave of {wave} programs")
     return dataclasses.replace(config, num_kv_splits=splits), (note,)
