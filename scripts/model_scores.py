@@ -10,10 +10,15 @@ same scores for that tree's model beside this one's, and every pick of the timin
 differs between the two with its measured ratio; with ``--suites`` as well, the picks that differ
 on ``scripts/ab_trees.py``'s suites (the lengths its inputs draw), so an A/B's moved picks are
 known before the GPU call. ``--misses R`` lists this tree's picks slower than R x the best.
+``--untimed CSV`` writes this tree's unmeasured picks of the timings' shapes (with ``--other``,
+those that differ from the other tree's, and its pick beside each), with their source (``src``),
+for ``scripts/sweep_configs.py --configs`` to time in one device call; split its output by the
+rows' sources and add each part with ``scripts/add_timings.py --src``.
 
 Usage: python scripts/model_scores.py
        python scripts/model_scores.py --misses 1.10 --src O,P
        python scripts/model_scores.py --other .prev --suites targets,heldout,random --seed 37
+       python scripts/model_scores.py --other .prev --untimed untimed.csv
 """
 
 from __future__ import annotations
@@ -165,6 +170,33 @@ def _other_picks(args) -> dict[str, list[int]]:
     return json.loads(done.stdout)
 
 
+SHAPE_FIELDS = ("batch_size", "max_kv_len", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "kv_dtype",
+                "window_left", "mask_kind", "spread")
+
+
+def write_untimed(path: str, groups: dict, ratios_now: dict, mine: dict, theirs: dict | None) -> int:
+    """One row per (source, shape, config) to time: this tree's unmeasured picks (with ``theirs``,
+    those that differ from the other tree's, and its pick beside each); the shape as the timings
+    record it. Returns the rows written."""
+    rows = []
+    for (src, name), r in sorted(ratios_now.items()):
+        if r is not None or (theirs and theirs[f"{src}|{name}"] == mine[f"{src}|{name}"]):
+            continue
+        shape = groups[(src, name)][0]
+        fields = dict(src=src, shape=name, batch_size=shape.batch_size, max_kv_len=shape.max_kv_len,
+                      num_qo_heads=shape.num_qo_heads, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+                      page_size=shape.page_size, kv_dtype=str(shape.kv_dtype).removeprefix("torch."),
+                      window_left=shape.window_left, mask_kind=shape.mask_kind, spread=shape.kv_len_spread)
+        configs = [mine[f"{src}|{name}"]] + ([theirs[f"{src}|{name}"]] if theirs else [])
+        for config in dict.fromkeys(map(tuple, configs)):
+            rows.append(dict(fields, **dict(zip(CONFIG_FIELDS, config))))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["src", "shape", *SHAPE_FIELDS, *CONFIG_FIELDS])
+        writer.writeheader()
+        writer.writerows(rows)
+    return len(rows)
+
+
 def _row(s: dict) -> str:
     return f"{s['measured']:>4} {s['geomean']:.4f} {s['within5']:6.1%} {s['within10']:6.1%}"
 
@@ -185,6 +217,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=2)
     ap.add_argument("--src", default=None, help="comma-separated sources to list (--misses, differing picks)")
     ap.add_argument("--misses", type=float, default=None, help="list this tree's picks slower than this x best")
+    ap.add_argument("--untimed", default=None, help="write this tree's unmeasured picks (CSV) to time")
     ap.add_argument("--tree", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dump-picks", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -214,6 +247,9 @@ def main(argv=None) -> int:
                 continue
             extra = f"  {_ratio(theirs_r[timed[name]])} -> {_ratio(mine_r[timed[name]])}" if name in timed else ""
             print(f"  {name}: {_short(theirs[name])} -> {_short(mine[name])}{extra}")
+    if args.untimed:
+        count = write_untimed(args.untimed, groups, mine_r, mine, theirs)
+        print(f"\n{count} configs to time written to {args.untimed}")
     if args.misses:
         print(f"\nthis tree's picks slower than {args.misses} x the best measured:")
         for key, x in sorted(mine_r.items()):

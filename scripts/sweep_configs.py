@@ -8,13 +8,16 @@ replays); the best few and the plan's own pick (tuned table or model) are re-tim
 two rounds interleaved. Writes one CSV row per timing, with ``spread`` (longest / mean drawn
 length) as ``tests/data/h200_timings.csv.gz`` records it. ``--tiles`` and ``--splits`` narrow the
 sweep to given tiles (block_n/num_warps/num_stages) and split counts, e.g. one tile's split counts
-around a model's pick.
+around a model's pick. ``--configs CSV`` times exactly the (shape, config) rows of a CSV instead
+(``model_scores.py --untimed`` writes one: the picks the committed timings lack), each shape's
+lengths drawn as the source that recorded it drew them (the draw whose spread matches).
 
 Usage: python scripts/sweep_configs.py --count 48 --seed 1 --csv sweep.csv
        python scripts/sweep_configs.py --suites random,heldout --seed 3 --count 40 \
            --only B43_L6752_H18x2_D128_P3_float8_e4m3fn,B2_L3000 --csv losers.csv
        python scripts/sweep_configs.py --seed 61 --only B34_L2836 --tiles 64/4/2 \
            --splits 1-16,24,32 --csv b34.csv
+       python scripts/sweep_configs.py --configs untimed.csv --csv untimed_timed.csv
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from tsdecode.device import device_properties  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
 from tuner.measure import (  # noqa: E402
     bytes_moved, copy_bandwidth_gbs, decode_call, graph_time_us, make_inputs, num_copies, plan_wrapper,
+    seq_lens_for,
 )
 
 FAMILIES = ((16, 1, 3), (16, 1, 5), (32, 1, 5), (32, 2, 5), (64, 2, 5), (32, 4, 2), (64, 4, 2),
@@ -97,6 +101,41 @@ def parse_tiles(text: str) -> tuple[tuple[int, int, int], ...]:
     return tiles
 
 
+# The seeds the tools draw ragged lengths with: the sweeps', the tuner's, ab_trees'.
+LENGTH_SEEDS = (3, 0, 1)
+
+
+def listed_configs(path: str) -> list[tuple[ShapeSpec, int, list[KernelConfig]]]:
+    """(shape, lengths seed, configs) of a CSV with model_scores.py --untimed's columns: the shape
+    as the timings record it, its lengths drawn with the seed whose spread matches ``spread`` (a
+    shape none matches is reported and skipped)."""
+    out: dict = {}
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            spread = float(r["spread"])
+            spec = ShapeSpec(batch_size=int(r["batch_size"]), kv_len=int(r["max_kv_len"]),
+                             num_qo_heads=int(r["num_qo_heads"]), num_kv_heads=int(r["num_kv_heads"]),
+                             head_dim=int(r["head_dim"]), page_size=int(r["page_size"]), kv_dtype=r["kv_dtype"],
+                             mask_type="dense" if r["mask_kind"] == "dense" else "causal",
+                             window_left=int(r["window_left"]), ragged=spread > 1)
+
+            def spread_of(seed: int) -> float:
+                lens = seq_lens_for(spec, torch.Generator().manual_seed(seed))
+                return max(lens) * len(lens) / sum(lens)
+            seed = min(LENGTH_SEEDS, key=lambda seed: abs(spread_of(seed) - spread))
+            if abs(spread_of(seed) - spread) > 1e-3:  # drawn some other way: its timing would not match
+                print(f"# {r['src']} {r['shape']}: no draw of {LENGTH_SEEDS} gives spread {spread}: skipped",
+                      file=sys.stderr)
+                continue
+            config = KernelConfig(**{k: int(r[k]) for k in ("block_n", "block_m", "num_kv_splits", "num_warps",
+                                                            "num_stages")})
+            configs = out.setdefault((spec, seed), [])
+            fitted = fit_config(config, spec.to_problem_shape())[0]
+            if fitted not in configs:
+                configs.append(fitted)
+    return [(spec, seed, configs) for (spec, seed), configs in out.items()]
+
+
 def time_config(spec, sets, config, replay_ms):
     ws = [plan_wrapper(spec, s, config) for s in sets]
     decode_call(ws[0], sets[0], validate=True)()
@@ -114,6 +153,7 @@ def main(argv=None) -> int:
                     help="comma-separated block_n/num_warps/num_stages (default: the families above)")
     ap.add_argument("--splits", type=parse_counts, default=None,
                     help="split counts, e.g. 1-16,24,32 (default: ~0.25 to ~48 programs per SM)")
+    ap.add_argument("--configs", default=None, help="a CSV of shapes and configs to time instead (see above)")
     ap.add_argument("--csv", required=True)
     ap.add_argument("--replay-ms", type=float, default=8.0)
     ap.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
@@ -124,17 +164,20 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     num_sms = device_properties(dev).sm_count
     copy = copy_bandwidth_gbs(dev)
-    shapes = [spec for _, spec in suite_shapes(args.suites.split(","), args.count, args.seed)]
-    if args.only:
-        shapes = [s for s in shapes if any(s.name.startswith(p) for p in args.only.split(","))]
-    plan = {s.name: candidates(s, num_sms, args.tiles, args.splits) for s in shapes}
-    print(f"# {torch.cuda.get_device_name(dev)} copy {copy:.0f} GB/s; {len(shapes)} shapes, "
-          f"{sum(map(len, plan.values()))} configs", flush=True)
+    if args.configs:
+        listed = listed_configs(args.configs)
+    else:
+        shapes = [spec for _, spec in suite_shapes(args.suites.split(","), args.count, args.seed)]
+        if args.only:
+            shapes = [s for s in shapes if any(s.name.startswith(p) for p in args.only.split(","))]
+        listed = [(s, 3, candidates(s, num_sms, args.tiles, args.splits)) for s in shapes]
+    print(f"# {torch.cuda.get_device_name(dev)} copy {copy:.0f} GB/s; {len(listed)} shapes, "
+          f"{sum(len(configs) for _, _, configs in listed)} configs", flush=True)
     t0 = time.time()
     jobs = []
-    for spec in shapes:
+    for spec, _, configs in listed:
         seen = set()
-        for c in plan[spec.name]:
+        for c in configs:
             key = (c.block_n, c.block_m, c.num_warps, c.num_stages, c.num_kv_splits == 1)
             if key not in seen:  # the split count is a runtime argument: one compile a variant
                 seen.add(key)
@@ -146,14 +189,14 @@ def main(argv=None) -> int:
     rows = []
     out = open(args.csv, "w", newline="")
     writer = None
-    for i, spec in enumerate(shapes):
-        sets = make_inputs(spec, dev, copies=num_copies(spec), seed=3)
+    for i, (spec, seed, configs) in enumerate(listed):
+        sets = make_inputs(spec, dev, copies=num_copies(spec), seed=seed)
         lens = sets[0].seq_lens.tolist()
         nbytes = bytes_moved(spec, lens)
         common = dict(shape=spec.name, **dataclasses.asdict(spec), spread=max(lens) * len(lens) / sum(lens),
                       bytes=nbytes, copy_gbs=copy)
         short = {}
-        for c in plan[spec.name]:
+        for c in configs:
             try:
                 short[c] = time_config(spec, sets, c, args.replay_ms)[0]
             except Exception as e:  # noqa: BLE001 - out of resources etc.: not a candidate
@@ -177,7 +220,7 @@ def main(argv=None) -> int:
         writer.writerows(rows)
         out.flush()
         rows = []
-        print(f"[{i + 1}/{len(shapes)}] {spec.name}: picked {full[picked.kernel_config]:.1f} us "
+        print(f"[{i + 1}/{len(listed)}] {spec.name}: picked {full[picked.kernel_config]:.1f} us "
               f"({picked.source}) best {full[best]:.1f} ratio {full[picked.kernel_config] / full[best]:.3f} "
               f"| {best}", flush=True)
         del sets

@@ -47,12 +47,13 @@ from tuner.devices import compile_workers_per_device
 
 REPO = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
-# The smoke preset (4 buckets), block_n 16/32 x num_kv_splits 1/2 a bucket; the space also takes
-# in the heuristic default's value of each field, so a default outside it adds grid points.
+# The smoke preset (4 buckets), block_n 16/32 x num_kv_splits 1/2 x num_stages 2/3 a bucket; the
+# space also takes in the heuristic default's value of each field, so a default outside it adds
+# grid points (a default's split count or four warps: at most 16 points, all of them trials).
 GRID = ["--preset", "smoke", "--block-n", "16,32", "--block-m", "16", "--num-kv-splits", "1,2", "--num-warps", "1",
-        "--num-stages", "3", "--trials", "8"]
-GRID_POINTS = {tuple(sorted(dict(block_n=n, block_m=16, num_kv_splits=s, num_warps=1, num_stages=3).items()))
-               for n in (16, 32) for s in (1, 2)}
+        "--num-stages", "2,3", "--trials", "16"]
+GRID_POINTS = {tuple(sorted(dict(block_n=n, block_m=16, num_kv_splits=s, num_warps=1, num_stages=st).items()))
+               for n in (16, 32) for s in (1, 2) for st in (2, 3)}
 FAST = ["--no-progress", "--retime-rounds", "1", "--top-k", "1", "--isolation", "inline"]
 HOOK = f"{THIS}:fake_time"
 MARKER_ENV, MODE_ENV = "TSDECODE_TEST_MARKER", "TSDECODE_TEST_HOOK_MODE"
@@ -429,7 +430,7 @@ def test_the_job_record_holds_what_a_worker_needs(one_worker):
     storage = study.open_storage(one_worker["storage"])
     job = J.load_job(storage, one_worker["job"])
     assert len(job.specs) == 4 and len(job.buckets) == 4
-    assert job.settings.trials == 8 and job.settings.limits.block_n == (16, 32) and job.interpreter
+    assert job.settings.trials == 16 and job.settings.limits.block_n == (16, 32) and job.interpreter
     assert job.heartbeat.grace == 2 * job.settings.trial_timeout
     assert set(J.study_names(storage, job)) == {b.key for b in job.buckets}
     assert J.pinned(storage, job.name).device.name == CPU_NAME

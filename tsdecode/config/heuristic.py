@@ -36,19 +36,23 @@ without splitting a request's work more than that needs. The model, in four step
    whose waves cost least: a last wave costs at least WAVE_SATURATION of a full one, or the
    target's share of what fits where that is less (a wave holding the target's programs keeps the
    loads in flight). Last, a one-warp count above one, other than the long requests', must save
-   more time than its merge pass and partial outputs cost, and where the fp8 minimum raised the
-   target, the count from the loads' own target up that takes least time wins (``_time``: each
-   wave lasts the longer of a program's chain of tiles and its busiest SM's K/V bytes; programs
-   of ragged lengths past a wave do not end together, so their waves overlap). Four-warp
-   programs of a wide tile end together, so a partly filled last wave idles whole SMs: their
-   count is the one so far, a larger one that fills whole waves (up to WIDE_MAX_WAVES) or, of a
-   16-bit cache on pages of more than one token, one where a wave holds its programs, whichever
-   takes least time.
+   more time than its merge pass and partial outputs cost; where the fp8 minimum raised the
+   target, the count from the loads' own target up that takes least time wins, and where the
+   merge pass's busiest SM would read more partials than the split pass's reads K/V bytes (few
+   query rows meeting many splits), any count up to the target's (``_time``: each wave lasts the
+   longer of a program's chain of tiles and its busiest SM's K/V bytes; programs of ragged
+   lengths past a wave do not end together, so their waves overlap; a split count adds the merge
+   pass and the partials its busiest SMs write and read). Four-warp programs of a wide tile end
+   together, so a partly filled last wave idles whole SMs: their count is the one so far, a
+   larger one that fills whole waves (up to WIDE_MAX_WAVES) or one split, where a wave holds its
+   programs (of a 16-bit cache on pages of more than one token) or they fill more than two
+   waves, whichever takes least time.
 4. Programs against SMs (``fit_programs_to_sms``): lean programs of one split and equal lengths
    that spill past one wave take 16-token tiles, or 16-token tiles fewer stages, where those fit
    it (such a wave ends together, so the spilled programs would run a second wave of their own);
    one-warp programs no more than the SMs take four warps, since each has an SM whose other
-   schedulers would idle (two stages where a program has one tile: nothing to prefetch).
+   schedulers would idle; a program of one tile has nothing to prefetch: two stages, one for a
+   one-warp tile that gathers several pages (its loads straight to registers).
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -60,6 +64,7 @@ import math
 from dataclasses import dataclass
 
 from ..device import DeviceProperties
+from .partials import merge_cost, merge_read_bytes, partials_bound
 from .residency import REGISTER_SUB_PARTITIONS, fits_an_sm, loads_in_flight, resident_programs_per_sm
 from .space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, dot_block_m, fit_config
 
@@ -84,6 +89,10 @@ LEAN_DEEP_MIN_ROWS = 5
 # the stages of such a tile that fits it only with fewer buffers.
 LEAN_FIT_TOKENS = 16
 LEAN_FIT_STAGES = 3
+# The stages of a one-warp program of one tile (``_one_tile_stages``): the fewest buffers where the
+# tile lies inside a page, no pipeline where it gathers several.
+ONE_TILE_STAGES_INSIDE_PAGES = 2
+ONE_TILE_STAGES_CROSSING = 1
 # Warp schedulers of an SM, one a register sub-partition: one-warp programs that have an SM each
 # leave all but one idle.
 SCHEDULERS_PER_SM = REGISTER_SUB_PARTITIONS
@@ -138,16 +147,6 @@ WAVE_SATURATION = 0.6
 SCHEDULER_GAIN = 0.9
 SPLIT_COST = 0.03
 MAX_MEND_SPLITS = 64
-# Each split of a request's KV head writes its query rows' fp32 partial outputs, which the merge
-# reads back; PARTIAL_COST weighs a partial byte against a K/V byte, fitted to H200 timings of fp8
-# caches (docs/design.md).
-PARTIAL_COST = 8
-# A split count adds the merge pass, a second kernel of one program per query row and head: its
-# start and drain cost about the time an SM takes to stream MERGE_PASS_BYTES_PER_SM, and each of
-# its programs on the busiest SM MERGE_ROW_BYTES (a short chain of dependent loads; both fitted to
-# H200 timings of short problems).
-MERGE_PASS_BYTES_PER_SM = 128 * 1024
-MERGE_ROW_BYTES = 16 * 1024
 # Four-warp programs of a wide tile end together, so a partly filled last wave idles whole SMs:
 # their count may grow to one that fills up to this many whole waves, where ``_time`` says so.
 WIDE_MAX_WAVES = 8
@@ -313,19 +312,24 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
         fills = (waves * resident * sms // base for waves in range(1, WIDE_MAX_WAVES + 1))
         counts = [splits, *(count for count in fills if splits < count <= min(tiles, MAX_NUM_KV_SPLITS))]
         # One split where one wave holds its programs, of a 16-bit cache on pages longer than a
-        # token: an fp8 tile's chain is its conversion and products, a one-token page tile's its
-        # tokens' page-ID loads, longer than the load latency _time counts.
-        if (not balanced and base <= occ.resident_one_split * sms and shape.kv_dtype.itemsize > 1
-                and shape.page_size > 1):
+        # token (an fp8 tile's chain is its conversion and products, a one-token page tile's its
+        # tokens' page-ID loads, longer than the load latency _time counts), or where they fill
+        # more than two waves (a partly filled last wave is then a small share of the time).
+        one_wave = base <= occ.resident_one_split * sms
+        if not balanced and (base > 2 * occ.resident_one_split * sms
+                             or one_wave and shape.kv_dtype.itemsize > 1 and shape.page_size > 1):
             counts.append(1)
         return min(counts, key=lambda count: _time(shape, occ, count, sms))
     one_warp = occ.config.num_warps == 1  # _time's chain: four warps overlap their tiles' loads
     if splits > 1 and one_warp and not balanced:
         # One split (no merge pass) or, where the fp8 minimum raised the target, any count from the
-        # loads' own: the least time, the fewest splits on a tie.
+        # loads' own, or any count at all where the merge pass's partials outweigh the K/V bytes:
+        # the least time, the fewest splits on a tie.
         fewest = splits
         if occ.target > occ.bytes_target:
             fewest = min(splits, max(1, math.floor(occ.bytes_target * sms / base + 0.5)))
+        if _merge_bound(shape, occ, splits, sms):
+            fewest = 1
         counts = [1, *range(fewest, splits + 1)]
         splits = min(counts, key=lambda count: _time(shape, occ, count, sms))
     return splits
@@ -347,6 +351,16 @@ def _within_schedulers(shape: ProblemShape, occ: Occupancy, splits: int, tiles: 
     return fewer if busiest(fewer) <= SCHEDULER_GAIN * busiest(splits) else splits
 
 
+def _merge_bound(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> bool:
+    """Whether the merge pass's busiest SM reads more partial bytes than the split pass's busiest SM
+    reads K/V bytes, at ``splits`` splits (few query rows meeting many splits: a long request of
+    few heads)."""
+    tiles = shape.max_visible_tiles(occ.config.block_n)
+    tile_bytes = 2 * occ.config.block_n * shape.block_d * shape.kv_dtype.itemsize
+    kv_bytes = -(-occ.base_programs * splits // sms) * -(-tiles // splits) * tile_bytes
+    return merge_read_bytes(shape, splits, sms) > kv_bytes
+
+
 def long_split_limits(shape: ProblemShape, config: KernelConfig) -> tuple[int, int]:
     """Where the long-request split of ``config``'s programs starts (programs of one split >=
     target / divisor) and the fewest tokens of the mean request it leaves a split:
@@ -360,34 +374,14 @@ def long_split_limits(shape: ProblemShape, config: KernelConfig) -> tuple[int, i
     return divisor, min_tokens
 
 
-def partials_bound(shape: ProblemShape, target_splits: int) -> int:
-    """The most splits worth their partials for an fp8 cache (any count for a 16-bit one).
-
-    A request's KV head holds ``kv`` K/V bytes; split ``s`` ways its programs reach s / S of the
-    bandwidth that the target's ``S`` splits reach, and each split adds ``p`` bytes of partials
-    (query rows x head dim x 4) at PARTIAL_COST. Time ~ kv * S / s + PARTIAL_COST * p * s is least
-    at s = sqrt(kv * S / (PARTIAL_COST * p)). An fp8 cache's K/V bytes are half a 16-bit one's for
-    the same partials, so the bound decides fp8 counts; the H200 timings do not yet decide it for
-    16-bit caches. The one wave rule applies it to one-warp tiles inside pages, and to the splits
-    a page-crossing fp8 issue target adds: the targets of page-crossing and four-warp tiles are
-    already capped by what fits, and their tunes wanted every split of them."""
-    if shape.kv_dtype.itemsize != 1:
-        return target_splits
-    mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
-    kv = 2 * mean_tokens * shape.head_dim * shape.kv_dtype.itemsize
-    partials = shape.rows_per_kv_head * shape.head_dim * 4
-    return max(1, math.ceil(math.sqrt(kv * target_splits / (PARTIAL_COST * partials))))
-
-
 def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
     """The kernel time of ``splits`` splits, in bytes an SM streams meanwhile. Each wave lasts the
     longer of a program's chain of the longest request's tiles (a tile takes a load latency,
     IN_FLIGHT_BYTES_PER_SM, over the tiles the program keeps in flight) and its busiest SM's K/V
     bytes of the mean request; programs of ragged lengths past one wave overlap their waves
     instead, each lasting the mean request's chain and its program's edges, with a tail of the
-    longest chain (RAGGED_TAIL, PROGRAM_EDGES_TILES). A split count adds the merge pass
-    (its start, and one program per query row and head, the busiest SM's share of them) and its
-    busiest SM's partial outputs, written and read back."""
+    longest chain (RAGGED_TAIL, PROGRAM_EDGES_TILES). A split count adds its partial outputs and
+    merge pass (``partials.merge_cost``)."""
     config = occ.config
     tiles = shape.max_visible_tiles(config.block_n)
     tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize
@@ -406,12 +400,7 @@ def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
         time = full_waves * max(chain, per_wave // sms * split_bytes)
         if last:
             time += max(chain, -(-last // sms) * split_bytes)
-    if splits == 1:
-        return time
-    # Each program writes its query rows' fp32 partial outputs, which the merge pass reads back.
-    partial_bytes = 2 * -(-programs // sms) * shape.rows_per_kv_head * shape.head_dim * 4
-    merge_rows = -(-shape.batch_size * shape.max_seq_len_q * shape.num_qo_heads // sms)
-    return time + MERGE_PASS_BYTES_PER_SM + merge_rows * MERGE_ROW_BYTES + partial_bytes
+    return time if splits == 1 else time + merge_cost(shape, programs, splits, sms)
 
 
 def _last_wave(waves: float) -> float:
@@ -450,10 +439,24 @@ def heuristic_config(shape: ProblemShape, device: DeviceProperties) -> KernelCon
 
 def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, occ: Occupancy,
                         device: DeviceProperties) -> KernelConfig:
-    """Step 4: the tile and warps of programs against the SMs (``_fit_one_wave``, ``_spread_warps``)."""
+    """Step 4: the tile, warps and stages of programs against the SMs (``_fit_one_wave``,
+    ``_spread_warps``, ``_one_tile_stages``)."""
     if occ.family == "lean" and config.num_kv_splits == 1:
         config = _fit_one_wave(config, shape, device, occ.base_programs)
-    return _spread_warps(config, shape, device)
+    return _one_tile_stages(_spread_warps(config, shape, device), shape)
+
+
+def _one_tile_stages(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
+    """A one-warp program of one tile has nothing to prefetch, and a pipeline's buffers only add
+    a round trip through shared memory: ONE_TILE_STAGES_INSIDE_PAGES stages where the tile lies
+    inside a page, ONE_TILE_STAGES_CROSSING (its loads straight to registers) where it gathers
+    several pages. One-token pages keep the pipeline, which orders their per-token gathers."""
+    one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
+    if config.num_warps != 1 or not one_tile or shape.page_size == 1:
+        return config
+    crossing = shape.page_size % config.block_n != 0
+    stages = ONE_TILE_STAGES_CROSSING if crossing else ONE_TILE_STAGES_INSIDE_PAGES
+    return dataclasses.replace(config, num_stages=stages)
 
 
 def _fit_one_wave(config: KernelConfig, shape: ProblemShape, device: DeviceProperties, base: int) -> KernelConfig:
@@ -491,5 +494,5 @@ def _base_programs(shape: ProblemShape, block_m: int) -> int:
     return shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // block_m)
 
 
-__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "partials_bound",
+__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits",
            "fit_programs_to_sms", "heuristic_config"]

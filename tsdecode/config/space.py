@@ -147,6 +147,20 @@ def dot_block_m(rows: int) -> int:
     return min(64, max(DOT_MIN_BLOCK_M, next_power_of_2(rows)))
 
 
+# The merge kernel slices the head dim, down to this many columns, until about two of its
+# programs an SM share the partials: at small batch one program a query row would pull every
+# split's partials through few SMs.
+MERGE_MIN_BLOCK_D = 32
+
+
+def merge_block_d(merge_rows: int, block_d: int, sm_count: int) -> int:
+    """Head-dim columns of one merge program, for ``merge_rows`` query rows (tokens x heads)."""
+    columns = block_d
+    while columns > MERGE_MIN_BLOCK_D and merge_rows * (block_d // columns) < 2 * sm_count:
+        columns //= 2
+    return columns
+
+
 def fit_config(config: KernelConfig, shape: ProblemShape) -> tuple[KernelConfig, tuple[str, ...]]:
     """Return a config valid for ``shape`` close to ``config``, and what was changed and why.
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ..config.space import KernelConfig, ProblemShape
+from ..config.space import KernelConfig, ProblemShape, merge_block_d
 from ..device import INTERPRETER, device_properties
 from .decode import LOG2E, _merge_kernel, _split_kv_kernel
 
@@ -137,20 +137,16 @@ class DecodeLaunch:
         self._split_options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         self._merge_grid, self._merge_constexprs, self._merge_options = None, {}, {}
         if splits > 1:
-            # Slice the head dim (down to 32 columns) until ~2 programs per SM share the partials:
-            # at B=1 one program per head would pull every split's bytes through few SMs.
-            merge_rows = total_q * shape.num_qo_heads
-            merge_block_d = block_d
-            while merge_block_d > 32 and merge_rows * (block_d // merge_block_d) < 2 * device_properties(device).sm_count:
-                merge_block_d //= 2
+            sms = device_properties(device).sm_count
+            merge_columns = merge_block_d(total_q * shape.num_qo_heads, block_d, sms)  # head-dim slice
             # One [BLOCK_S, BLOCK_D] fp32 tile of partials per program: all splits at once up to
             # 8192 elements (64 registers a thread at 4 warps), one warp per 2048 elements.
-            merge_block_s = min(triton.next_power_of_2(splits), max(8192 // merge_block_d, 1))
-            self._merge_grid = (total_q, shape.num_qo_heads, block_d // merge_block_d)
-            self._merge_constexprs = dict(HEAD_DIM=shape.head_dim, BLOCK_D=merge_block_d,
+            merge_block_s = min(triton.next_power_of_2(splits), max(8192 // merge_columns, 1))
+            self._merge_grid = (total_q, shape.num_qo_heads, block_d // merge_columns)
+            self._merge_constexprs = dict(HEAD_DIM=shape.head_dim, BLOCK_D=merge_columns,
                                           SEQ_LEN_Q=shape.max_seq_len_q, PACKED=shape.packed,
                                           BLOCK_S=merge_block_s, USE_PDL=self.pdl)
-            self._merge_options = dict(num_warps=max(1, min(4, merge_block_s * merge_block_d // 2048)))
+            self._merge_options = dict(num_warps=max(1, min(4, merge_block_s * merge_columns // 2048)))
         self._launch_options = {"launch_pdl": True} if self.pdl else {}
         self._direct: dict[tuple, _DirectLaunch] = {}
         self._direct_broken = INTERPRETER or device.type != "cuda"
