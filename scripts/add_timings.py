@@ -2,9 +2,13 @@
 H200 timings the config model's regression guard reads (``tests/data/h200_timings.csv.gz``), under
 a source letter: one row per (shape, config), the full-length re-timing where the sweep made one
 (a tune's: the median of its interleaved re-timing rounds), else the short one. Rows of a (source,
-shape, config) the file has already are kept as they are. A tune's shapes are read from their
-names (``B4_L1800_H112x16_D64_P2_float8_e4m3fn_ragged``: dense masks only, one shape a bucket) and
-their length spread from the lengths the tuner drew (``tuner.measure.seq_lens_for``, seed 0).
+shape, config) the file has already are kept as they are; times are kept to four significant digits
+(finer than the timings' noise), the file's old rows rewritten alike, and a (source, shape)'s
+configs slower than KEEP_WITHIN x its fastest are dropped (no model picks them: the regression
+guard's measured counts would show one that did), which keeps the file small. A tune's shapes are
+read from their names (``B4_L1800_H112x16_D64_P2_float8_e4m3fn_ragged``: dense masks only, one
+shape a bucket) and their length spread from the lengths the tuner drew
+(``tuner.measure.seq_lens_for``, seed 0).
 
 Usage: python scripts/add_timings.py --src D sweep.csv [more.csv ...]
        python scripts/add_timings.py --src J reports/.../tune_random_seed17_trials.csv.gz
@@ -16,6 +20,7 @@ import argparse
 import csv
 import gzip
 import io
+import math
 import re
 import statistics
 import sys
@@ -26,6 +31,7 @@ SHAPE_FIELDS = {"batch_size": "batch_size", "max_kv_len": "kv_len", "num_qo_head
                 "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "page_size": "page_size",
                 "kv_dtype": "kv_dtype", "window_left": "window_left", "mask_kind": "mask_type"}
 CONFIG_FIELDS = ("block_n", "block_m", "num_kv_splits", "num_warps", "num_stages")
+KEEP_WITHIN = 3.0  # rows slower than this x their shape's fastest are dropped
 
 
 def sweep_rows(path: str, src: str) -> list[dict]:
@@ -37,10 +43,15 @@ def sweep_rows(path: str, src: str) -> list[dict]:
             final = r["kind"] != "short"
             row = dict(src=src, shape=r["shape"], **{k: r[v] for k, v in SHAPE_FIELDS.items()},
                        spread=f"{float(r['spread']):.4g}", **{k: r[k] for k in CONFIG_FIELDS},
-                       time_us=f"{float(r['time_us']):.3f}")
+                       time_us=time_text(r["time_us"]))
             if key not in best or (final and not best[key][0]):
                 best[key] = (final, row)
     return [row for _, row in best.values()]
+
+
+def time_text(us) -> str:
+    """A kernel time to four significant digits."""
+    return f"{float(f'{float(us):.4g}'):g}"  # 12359.1 -> 12360, 8.820 -> 8.82
 
 
 NAME = re.compile(r"B(\d+)_L(\d+)_H(\d+)x(\d+)_D(\d+)_P(\d+)_([a-z0-9_]+?)(_ragged)?$")
@@ -79,7 +90,7 @@ def tune_rows(path: str, src: str) -> list[dict]:
         rows.append(dict(src=src, shape=name, batch_size=b, max_kv_len=length, num_qo_heads=hq,
                          num_kv_heads=hkv, head_dim=d, page_size=page, kv_dtype=m.group(7), window_left=-1,
                          mask_kind="dense", spread=f"{spreads[name]:.4g}",
-                         **dict(zip(CONFIG_FIELDS, config)), time_us=f"{statistics.median(values):.3f}"))
+                         **dict(zip(CONFIG_FIELDS, config)), time_us=time_text(statistics.median(values))))
     return rows
 
 
@@ -103,14 +114,19 @@ def main(argv=None) -> int:
     have = {(r["src"], r["shape"]) + tuple(r[k] for k in CONFIG_FIELDS) for r in rows}
     new = [r for path in args.csv for r in read_rows(path, args.src)
            if (r["src"], r["shape"]) + tuple(r[k] for k in CONFIG_FIELDS) not in have]
+    fastest: dict[tuple, float] = {}
+    for r in rows + new:
+        key = (r["src"], r["shape"])
+        fastest[key] = min(fastest.get(key, math.inf), float(r["time_us"]))
+    kept = [r for r in rows + new if float(r["time_us"]) <= KEEP_WITHIN * fastest[(r["src"], r["shape"])]]
     out = io.StringIO()
     out.writelines(comments)
     writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows + new)
-    with gzip.open(DATA, "wt") as f:
-        f.write(out.getvalue())
-    print(f"{len(new)} rows of {len({r['shape'] for r in new})} shapes added to {DATA} as source {args.src}")
+    writer.writerows(dict(r, time_us=time_text(r["time_us"])) for r in kept)
+    DATA.write_bytes(gzip.compress(out.getvalue().encode(), mtime=0))  # the same rows, the same bytes
+    print(f"{len(new)} rows of {len({r['shape'] for r in new})} shapes added to {DATA} as source {args.src}; "
+          f"{len(rows) + len(new) - len(kept)} rows slower than {KEEP_WITHIN:g}x their shape's fastest dropped")
     return 0
 
 

@@ -59,6 +59,18 @@ CASES = {
     # the model's one-tile programs of a small wide-family problem (D=256, pages across tiles)
     "d256-fp8-short": Case(head_dim=256, num_qo_heads=6, num_kv_heads=2, kv_dtype=FP8, page_size=8,
                            lens=(1, 100, 147), config=KC(block_n=32, block_m=16, num_kv_splits=5, num_warps=4, num_stages=2)),
+    # four-warp fp8 tiles of 8K elements or more at one stage (the loads straight to registers):
+    # a chain of tiles across pages, and the 128 x 256 tile at one split
+    "d256-fp8-bn64-one-stage": Case(head_dim=256, num_qo_heads=10, num_kv_heads=2, kv_dtype=FP8, page_size=24,
+                                    lens=(5, 130, 300), config=KC(block_n=64, block_m=16, num_kv_splits=2, num_warps=4, num_stages=1)),
+    "d256-fp8-bn128-one-stage": Case(head_dim=256, num_qo_heads=12, num_kv_heads=2, kv_dtype=FP8, page_size=8,
+                                     lens=(1, 103, 215), config=KC(block_n=128, block_m=16, num_kv_splits=1, num_warps=4, num_stages=1)),
+    # four-warp programs of one 8K-element tile, one stage (the model's in place of one-warp
+    # programs of two tiles): 128 tokens at D=64 over 3-token pages, 64 at D=128 of an fp8 cache
+    "d64-bn128-four-warp-one-tile": Case(head_dim=64, num_qo_heads=16, num_kv_heads=2, page_size=3, lens=(2, 129, 300),
+                                         config=KC(block_n=128, block_m=16, num_kv_splits=3, num_warps=4, num_stages=1)),
+    "d128-fp8-bn64-four-warp-one-tile": Case(head_dim=128, num_qo_heads=12, num_kv_heads=2, kv_dtype=FP8, page_size=2,
+                                             lens=(64, 65, 190), config=KC(block_n=64, block_m=16, num_kv_splits=3, num_warps=4, num_stages=1)),
     # fixed SQ > 1, masks, windows
     "fixed-sq2-dense": Case(mode="fixed", seq_len_q=2, lens=(2, 40)),
     "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70), lengths="run"),

@@ -4,6 +4,7 @@ the caller gives none."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -11,6 +12,10 @@ import torch
 
 import tsdecode
 from tsdecode import KernelConfig, get_prims_ts_batch_decode_workspace_size
+from tsdecode import workspace as W
+from tsdecode.config.select import select_config
+from tsdecode.config.space import ProblemShape
+from tsdecode.device import device_properties
 from cases import DEVICE, Case, build, check, plan_wrapper, poisoned_out, reference, run_wrapper
 
 pytestmark = pytest.mark.usefixtures("fresh_tables")  # the heuristic's config, whatever tables exist
@@ -82,11 +87,17 @@ def test_size_is_what_plan_allocates():
 def test_size_helper_arguments():
     assert size() > 0
     assert size(device=None) == size()  # the current CUDA device, else the CPU
-    # packed queries (qo_indptr given) need max_seq_len_q; the size grows with the query capacity
+    # packed queries (qo_indptr given) need max_seq_len_q; the size is the partials of that query
+    # capacity at the split count its plan selects, more than one query token's at that count
     indptr = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="max_seq_len_q"):
         size(qo_indptr=indptr)
-    assert size(qo_indptr=indptr, max_seq_len_q=4) > size()
+    packed = ProblemShape(batch_size=1, num_qo_heads=4, num_kv_heads=1, head_dim=64, page_size=16, max_kv_len=300,
+                          max_seq_len_q=4, packed=True)
+    splits = select_config(packed, device_properties(DEVICE)).kernel_config.num_kv_splits
+    one_token = dataclasses.replace(packed, max_seq_len_q=1, packed=False)
+    assert size(qo_indptr=indptr, max_seq_len_q=4) == W.workspace_bytes(packed, splits) > W.workspace_bytes(
+        one_token, splits) > 0
     with pytest.raises(ValueError, match="must equal seq_len_q"):
         size(seq_len_q=2, max_seq_len_q=3)
     with pytest.raises(NotImplementedError, match="kv_layout"):

@@ -47,12 +47,10 @@ without splitting a request's work more than that needs. The model, in four step
    larger one that fills whole waves (up to WIDE_MAX_WAVES) or one split, where a wave holds its
    programs (of a 16-bit cache on pages of more than one token) or they fill more than two
    waves, whichever takes least time.
-4. Programs against SMs (``fit_programs_to_sms``): lean programs of one split and equal lengths
-   that spill past one wave take 16-token tiles, or 16-token tiles fewer stages, where those fit
-   it (such a wave ends together, so the spilled programs would run a second wave of their own);
-   one-warp programs no more than the SMs take four warps, since each has an SM whose other
-   schedulers would idle; a program of one tile has nothing to prefetch: two stages, one for a
-   one-warp tile that gathers several pages (its loads straight to registers).
+4. Programs against SMs (``programs.fit_programs_to_sms``): the tile, warps and stages of the
+   programs once their count is known: smaller lean tiles where they keep one wave, four warps
+   where one-warp programs are left two tiles each or no more than the SMs, the fewest stages for
+   a program of one tile, and no pipeline for four-warp fp8 programs of large tiles.
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -65,8 +63,9 @@ from dataclasses import dataclass
 
 from ..device import DeviceProperties
 from .partials import merge_cost, merge_read_bytes, partials_bound
-from .residency import REGISTER_SUB_PARTITIONS, fits_an_sm, loads_in_flight, resident_programs_per_sm
-from .space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, dot_block_m, fit_config
+from .programs import SCHEDULERS_PER_SM, fit_programs_to_sms
+from .residency import fits_an_sm, loads_in_flight, resident_programs_per_sm
+from .space import MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape, dot_block_m, fit_config
 
 # Loads in flight per SM that keep its share of DRAM bandwidth busy (bandwidth x latency).
 IN_FLIGHT_BYTES_PER_SM = 64 * 1024
@@ -85,17 +84,6 @@ LEAN_WIDE_HEAD_MAX_ROWS = 16
 # Below this many query rows a page-aligned 16-bit lean tile keeps one tile in flight (3 stages):
 # a second pays only where each tile carries more rows' math.
 LEAN_DEEP_MIN_ROWS = 5
-# The lean tile of requests whose one-split programs fit one wave only with tiles this small, and
-# the stages of such a tile that fits it only with fewer buffers.
-LEAN_FIT_TOKENS = 16
-LEAN_FIT_STAGES = 3
-# The stages of a one-warp program of one tile (``_one_tile_stages``): the fewest buffers where the
-# tile lies inside a page, no pipeline where it gathers several.
-ONE_TILE_STAGES_INSIDE_PAGES = 2
-ONE_TILE_STAGES_CROSSING = 1
-# Warp schedulers of an SM, one a register sub-partition: one-warp programs that have an SM each
-# leave all but one idle.
-SCHEDULERS_PER_SM = REGISTER_SUB_PARTITIONS
 WIDE_TILE_BYTES = 16 * 1024
 # Four-warp programs are few an SM: where those that fit keep too few bytes loading, their tile
 # doubles, to at most this many K (and V) elements, which the program holds in registers in the
@@ -129,7 +117,6 @@ SHORT_WHOLE_BLOCK_N = 128
 FULL_WAVES = 4
 MIN_TOKENS_PER_LONG_SPLIT = 1024
 LONG_TARGET_DIVISOR = 2
-RAGGED_SPREAD = 1.1
 RAGGED_MIN_TOKENS_PER_LONG_SPLIT = 256
 RAGGED_LONG_TARGET_DIVISOR = 4
 # One-warp programs of an fp8 cache convert every K/V element, so their SMs' schedulers, not the
@@ -215,7 +202,7 @@ def _short_config(shape: ProblemShape, block_m: int, block_n: int, short_block_n
     """Four-warp programs of one ``short_block_n``-token tile each, where the problem has at most
     SHORT_MAX_TOKENS visible tokens and fewer ``block_n``-token tiles than SHORT_TILES_PER_SM an
     SM (too few to occupy the GPU with the family's programs) and they all fit one wave."""
-    base, sms = _base_programs(shape, block_m), device.sm_count
+    base, sms = shape.programs(block_m), device.sm_count
     if (shape.max_visible_tiles(1) > SHORT_MAX_TOKENS
             or base * shape.max_visible_tiles(block_n) >= SHORT_TILES_PER_SM * sms):
         return None
@@ -273,7 +260,7 @@ def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
         wanted = max(wanted, FP8_MIN_WARPS_PER_SM)  # conversion issue, not bytes, sets the count
     target = max(1.0, min(wanted, fits))
     issue_target = max(target, min(FP8_MIN_WARPS_PER_SM, resident)) if fp8_one_warp else target
-    return Occupancy(config, family, _base_programs(shape, config.block_m), one_split, resident, target,
+    return Occupancy(config, family, shape.programs(config.block_m), one_split, resident, target,
                      tiles_in_flight, bytes_target, issue_target)
 
 
@@ -434,65 +421,7 @@ def heuristic_config(shape: ProblemShape, device: DeviceProperties) -> KernelCon
     """The model's config for ``shape`` on ``device``, fitted to the shape."""
     occ = occupancy(shape, device)
     config = dataclasses.replace(occ.config, num_kv_splits=num_kv_splits(shape, occ, device))
-    return fit_config(fit_programs_to_sms(config, shape, occ, device), shape)[0]
+    return fit_config(fit_programs_to_sms(config, shape, occ.family, device), shape)[0]
 
 
-def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, occ: Occupancy,
-                        device: DeviceProperties) -> KernelConfig:
-    """Step 4: the tile, warps and stages of programs against the SMs (``_fit_one_wave``,
-    ``_spread_warps``, ``_one_tile_stages``)."""
-    if occ.family == "lean" and config.num_kv_splits == 1:
-        config = _fit_one_wave(config, shape, device, occ.base_programs)
-    return _one_tile_stages(_spread_warps(config, shape, device), shape)
-
-
-def _one_tile_stages(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
-    """A one-warp program of one tile has nothing to prefetch, and a pipeline's buffers only add
-    a round trip through shared memory: ONE_TILE_STAGES_INSIDE_PAGES stages where the tile lies
-    inside a page, ONE_TILE_STAGES_CROSSING (its loads straight to registers) where it gathers
-    several pages. One-token pages keep the pipeline, which orders their per-token gathers."""
-    one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
-    if config.num_warps != 1 or not one_tile or shape.page_size == 1:
-        return config
-    crossing = shape.page_size % config.block_n != 0
-    stages = ONE_TILE_STAGES_CROSSING if crossing else ONE_TILE_STAGES_INSIDE_PAGES
-    return dataclasses.replace(config, num_stages=stages)
-
-
-def _fit_one_wave(config: KernelConfig, shape: ProblemShape, device: DeviceProperties, base: int) -> KernelConfig:
-    """Requests of equal lengths whose ``base`` one-split programs spill past one wave but fit it
-    with LEAN_FIT_TOKENS-token tiles (LEAN_FIT_STAGES stages where the tile is that already) take
-    those: their programs end together, so the spilled ones would run a second wave of their own
-    (ragged ones end apart, and later programs fill the gaps)."""
-    if shape.kv_len_spread >= RAGGED_SPREAD:
-        return config
-
-    def one_wave(candidate: KernelConfig) -> bool:
-        return base <= resident_programs_per_sm(candidate, shape, device, one_split=True) * device.sm_count
-
-    if one_wave(config):
-        return config
-    if config.block_n > LEAN_FIT_TOKENS:
-        smaller = dataclasses.replace(config, block_n=LEAN_FIT_TOKENS)
-    else:  # the tile is already the smallest: fewer buffers of it
-        smaller = dataclasses.replace(config, num_stages=min(config.num_stages, LEAN_FIT_STAGES))
-    return smaller if one_wave(smaller) else config
-
-
-def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
-    """One-warp programs no more than the SMs each have an SM to themselves, whose other warp
-    schedulers would idle: they take SCHEDULERS_PER_SM warps, which share each tile's loads and
-    products. A program of one tile has nothing to prefetch: two stages, the fewest buffers."""
-    programs = _base_programs(shape, config.block_m) * config.num_kv_splits
-    if config.num_warps != 1 or programs > device.sm_count:
-        return config
-    one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
-    return dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM, num_stages=2 if one_tile else config.num_stages)
-
-
-def _base_programs(shape: ProblemShape, block_m: int) -> int:
-    return shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // block_m)
-
-
-__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits",
-           "fit_programs_to_sms", "heuristic_config"]
+__all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "heuristic_config"]

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 from ..device import DeviceProperties
 from . import tables
-from .heuristic import RAGGED_SPREAD, heuristic_config
+from .heuristic import heuristic_config
 from .partials import partials_bound
 from .residency import resident_programs_per_sm
-from .space import MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, fit_config
+from .space import MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape, fit_config
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ DOT_MIN_BLOCK_M = 16
 # The FMA path materialises a [block_m, block_n, block_d] product: capped so it stays in registers.
 FMA_MAX_TILE_ELEMENTS = 32768
 MASK_KINDS = ("dense", "causal", "windowed")
+# Lengths whose longest / mean reaches this are ragged: their programs end apart.
+RAGGED_SPREAD = 1.1
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,10 @@ class ProblemShape:
     @property
     def causal(self) -> bool:
         return self.mask_kind != "dense"
+
+    def programs(self, block_m: int) -> int:
+        """Programs of one split: one a request, KV head and block_m packed query rows."""
+        return self.batch_size * self.num_kv_heads * -(-self.rows_per_kv_head // block_m)
 
     def max_visible_tiles(self, block_n: int) -> int:
         """K/V tiles of block_n tokens a program can walk: those of the longest request, or with a

@@ -1,0 +1,131 @@
+"""Step 4 of the config model (``heuristic``): the tile, warps and stages of a family's programs
+once their split count is known, against the SMs that run them.
+
+- Lean programs of one split and equal lengths that spill past one wave take smaller tiles (or
+  fewer stages) where those keep them in one wave (``_fit_one_wave``).
+- One-warp programs left two tiles each take four warps and one larger tile (``_two_tile_programs``).
+- One-warp programs no more than the SMs take four warps (``_spread_warps``).
+- A one-warp program of one tile takes the fewest stages (``_one_tile_stages``).
+- Four-warp fp8 programs of large tiles load them straight to registers (``_direct_fp8_loads``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..device import DeviceProperties
+from .residency import REGISTER_SUB_PARTITIONS, resident_programs_per_sm
+from .space import MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape
+
+# Warp schedulers of an SM, one a register sub-partition: one-warp programs that have an SM each
+# leave all but one idle.
+SCHEDULERS_PER_SM = REGISTER_SUB_PARTITIONS
+# The lean tile of requests whose one-split programs fit one wave only with tiles this small, and
+# the stages of such a tile that fits it only with fewer buffers.
+LEAN_FIT_TOKENS = 16
+LEAN_FIT_STAGES = 3
+# The stages of a one-warp program of one tile: the fewest buffers where the tile lies inside a
+# page, no pipeline where it gathers several.
+ONE_TILE_STAGES_INSIDE_PAGES = 2
+ONE_TILE_STAGES_CROSSING = 1
+# One-warp programs of two tiles take four warps and one tile of this many K elements (64 tokens
+# at D = 128, 128 at D = 64), where a KV head has at least TWO_TILE_MIN_ROWS query rows (fewer
+# leave the warp waiting on loads rather than on the two tiles' products) and D is at most
+# TWO_TILE_MAX_HEAD_DIM (lean programs above it take 16-token tiles inside pages).
+TWO_TILE_ELEMENTS = 8 * 1024
+TWO_TILE_MIN_ROWS = 5
+TWO_TILE_MAX_HEAD_DIM = 128
+# Four-warp fp8 tiles of at least this many K elements load straight to registers; a tile of more
+# than REGISTER_BOUND_TILE_ELEMENTS (the 128 x 256 one, every register a thread may hold) only
+# where a program runs at most DIRECT_MAX_CHAIN_TILES of them.
+DIRECT_MIN_TILE_ELEMENTS = 8 * 1024
+REGISTER_BOUND_TILE_ELEMENTS = 64 * 256
+DIRECT_MAX_CHAIN_TILES = 3
+
+
+def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
+                        device: DeviceProperties) -> KernelConfig:
+    """Step 4 for ``config`` of ``family`` ("lean", "wide" or "short"), its split count chosen."""
+    if family == "lean" and config.num_kv_splits == 1:
+        config = _fit_one_wave(config, shape, device)
+    config = _spread_warps(_two_tile_programs(config, shape), shape, device)
+    return _direct_fp8_loads(_one_tile_stages(config, shape), shape)
+
+
+def _fit_one_wave(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """Requests of equal lengths whose one-split programs spill past one wave but fit it with
+    LEAN_FIT_TOKENS-token tiles (LEAN_FIT_STAGES stages where the tile is that already) take those:
+    their programs end together, so the spilled ones would run a second wave of their own (ragged
+    ones end apart, and later programs fill the gaps)."""
+    if shape.kv_len_spread >= RAGGED_SPREAD:
+        return config
+
+    def one_wave(candidate: KernelConfig) -> bool:
+        fits = resident_programs_per_sm(candidate, shape, device, one_split=True)
+        return shape.programs(candidate.block_m) <= fits * device.sm_count
+
+    if one_wave(config):
+        return config
+    if config.block_n > LEAN_FIT_TOKENS:
+        smaller = dataclasses.replace(config, block_n=LEAN_FIT_TOKENS)
+    else:  # the tile is already the smallest: fewer buffers of it
+        smaller = dataclasses.replace(config, num_stages=min(config.num_stages, LEAN_FIT_STAGES))
+    return smaller if one_wave(smaller) else config
+
+
+def _two_tile_programs(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
+    """One-warp programs that the split count leaves two tiles each take SCHEDULERS_PER_SM warps
+    and one tile of TWO_TILE_ELEMENTS a program, loaded straight to registers (one stage): such a
+    chain is too short for a pipeline to hide its loads, and one warp works through both tiles'
+    products alone, where four share them. Not on one-token pages, whose every token the larger
+    tile would gather."""
+    if (config.num_warps != 1 or config.num_kv_splits == 1 or shape.block_d > TWO_TILE_MAX_HEAD_DIM
+            or shape.page_size == 1 or shape.rows_per_kv_head < TWO_TILE_MIN_ROWS):
+        return config
+    if -(-shape.max_visible_tiles(config.block_n) // config.num_kv_splits) != 2:
+        return config
+    block_n = TWO_TILE_ELEMENTS // shape.block_d
+    splits = min(shape.max_visible_tiles(block_n), MAX_NUM_KV_SPLITS)
+    return dataclasses.replace(config, block_n=block_n, num_kv_splits=splits, num_warps=SCHEDULERS_PER_SM,
+                               num_stages=1)
+
+
+def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """One-warp programs no more than the SMs each have an SM to themselves, whose other warp
+    schedulers would idle: they take SCHEDULERS_PER_SM warps, which share each tile's loads and
+    products. A program of one tile has nothing to prefetch: two stages, the fewest buffers."""
+    if config.num_warps != 1 or shape.programs(config.block_m) * config.num_kv_splits > device.sm_count:
+        return config
+    one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
+    return dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM, num_stages=2 if one_tile else config.num_stages)
+
+
+def _one_tile_stages(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
+    """A one-warp program of one tile has nothing to prefetch, and a pipeline's buffers only add
+    a round trip through shared memory: ONE_TILE_STAGES_INSIDE_PAGES stages where the tile lies
+    inside a page, ONE_TILE_STAGES_CROSSING (its loads straight to registers) where it gathers
+    several pages. One-token pages keep the pipeline, which orders their per-token gathers."""
+    one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
+    if config.num_warps != 1 or not one_tile or shape.page_size == 1:
+        return config
+    crossing = shape.page_size % config.block_n != 0
+    stages = ONE_TILE_STAGES_CROSSING if crossing else ONE_TILE_STAGES_INSIDE_PAGES
+    return dataclasses.replace(config, num_stages=stages)
+
+
+def _direct_fp8_loads(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
+    """Four-warp programs of an fp8 cache whose K tile holds at least DIRECT_MIN_TILE_ELEMENTS load
+    it straight to registers (one stage), where a pipeline would stage it through shared memory and
+    convert it from there: for such a tile that round trip costs more than the prefetch saves. A
+    tile of more than REGISTER_BOUND_TILE_ELEMENTS keeps its prefetch where a program runs more
+    than DIRECT_MAX_CHAIN_TILES of them."""
+    elements = config.block_n * shape.block_d
+    if shape.kv_dtype.itemsize != 1 or config.num_warps < 4 or elements < DIRECT_MIN_TILE_ELEMENTS:
+        return config
+    chain = -(-shape.max_visible_tiles(config.block_n) // config.num_kv_splits)
+    if elements > REGISTER_BOUND_TILE_ELEMENTS and chain > DIRECT_MAX_CHAIN_TILES:
+        return config
+    return dataclasses.replace(config, num_stages=1)
+
+
+__all__ = ["fit_programs_to_sms"]
