@@ -10,7 +10,7 @@ import torch
 import triton
 
 import tsdecode
-from tsdecode.config import tables
+from tsdecode.config import table_format, tables
 from tsdecode.config.heuristic import heuristic_config
 from tsdecode.config.select import select_config
 from tsdecode.config.space import KernelConfig, ProblemShape
@@ -39,7 +39,7 @@ def write_table(folder, config: KernelConfig, bucket=(64, 8192)):
     record = {"batch_size": bucket[0], "kv_len": bucket[1], "kernel_config": config.to_dict(), "time_us": 10.0,
               "bandwidth_gbs": 3000.0, "fraction_of_copy": None, "default_config": KernelConfig().to_dict(),
               "default_time_us": 12.5, "default_bandwidth_gbs": 2400.0}
-    data = {"format_version": tables.FORMAT_VERSION, "device": H200.to_dict(), "triton_version": triton.__version__,
+    data = {"format_version": table_format.FORMAT_VERSION, "device": H200.to_dict(), "triton_version": triton.__version__,
             "torch_version": torch.__version__, "kernel_hash": tables.kernel_source_hash(), "tuner_settings": {},
             "created": "2026-12-01", "updated": "2026-12-01", "entries": {KEY: [record]}}
     path = folder / "NVIDIA_H200.json"

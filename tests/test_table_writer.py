@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tsdecode.config import tables
+from tsdecode.config import table_format, tables
 from tsdecode.config.space import KernelConfig, ProblemShape
 from tsdecode.config.tables import TableEntry
 from tsdecode.device import DeviceProperties, device_properties
@@ -72,8 +72,8 @@ def test_written_file_follows_the_format(tmp_path):
     path = write(tmp_path)
     assert path == tmp_path / "NVIDIA_H200.json"
     data = json.loads(path.read_text())
-    tables.validate_table_data(data)
-    assert data["format_version"] == tables.FORMAT_VERSION
+    table_format.validate_table_data(data)
+    assert data["format_version"] == table_format.FORMAT_VERSION
     assert data["device"] == {"name": "NVIDIA H200", "sm_count": 132, "compute_capability": [9, 0],
                               "total_memory": 150_754_820_096}
     assert data["kernel_hash"] == tables.kernel_source_hash() and len(data["kernel_hash"]) == 16

@@ -31,11 +31,11 @@ import triton
 
 import tsdecode
 from tsdecode import device as D
-from tsdecode.config import tables
+from tsdecode.config import table_format, tables
 from tsdecode.config.heuristic import heuristic_config
 from tsdecode.config.select import select_config
 from tsdecode.config.space import KernelConfig, ProblemShape
-from tsdecode.config.tables import TableEntry, TableFormatError
+from tsdecode.config.table_format import TableEntry, TableFormatError
 from tsdecode.device import DeviceProperties, set_override
 from tsdecode.reference import reference_decode
 
@@ -67,7 +67,7 @@ def table_data(device=H200, entries: dict | None = None, shape=None, num_warps=4
         shape = shape or make_shape()
         bucket = tables.bucket_of(shape.batch_size, shape.max_kv_len)
         entries = {tables.problem_class_key(shape): [record(bucket, KernelConfig(num_warps=num_warps))]}
-    data = {"format_version": tables.FORMAT_VERSION, "device": device.to_dict(),
+    data = {"format_version": table_format.FORMAT_VERSION, "device": device.to_dict(),
             "triton_version": triton.__version__, "torch_version": torch.__version__,
             "kernel_hash": tables.kernel_source_hash(), "tuner_settings": {"trials": 10},
             "created": "2026-12-01T10:00:00+00:00", "updated": "2026-12-02T10:00:00+00:00", "entries": entries}
@@ -245,10 +245,10 @@ FORMAT_ERRORS = {
 def test_format_errors_name_the_field(case):
     mutate, field = FORMAT_ERRORS[case]
     data = table_data()
-    tables.validate_table_data(copy.deepcopy(data))  # valid before
+    table_format.validate_table_data(copy.deepcopy(data))  # valid before
     mutate(data)
     with pytest.raises(TableFormatError, match=None) as info:
-        tables.validate_table_data(data)
+        table_format.validate_table_data(data)
     assert field in str(info.value), str(info.value)
     assert len(str(info.value)) < 300
 
@@ -256,7 +256,7 @@ def test_format_errors_name_the_field(case):
 def test_a_table_that_is_not_an_object_is_a_format_error():
     for data in ([1, 2], "table", None, 3):
         with pytest.raises(TableFormatError, match="format_version|JSON object"):
-            tables.validate_table_data(data)
+            table_format.validate_table_data(data)
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, "3", None, True])
@@ -264,7 +264,7 @@ def test_tuned_batch_size_must_be_a_positive_int(value):
     data = table_data()
     data["entries"][KEY][0]["tuned_batch_size"] = value
     with pytest.raises(TableFormatError, match="tuned_batch_size"):
-        tables.validate_table_data(data)
+        table_format.validate_table_data(data)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -722,7 +722,7 @@ def _shape_of(class_key: str, bucket: tuple[int, int], entry: TableEntry) -> Pro
 def test_a_shipped_table_parses_and_serves_its_gpu(path, monkeypatch, caplog):
     monkeypatch.setattr(tables, "shipped_config_dir", lambda: SHIPPED)
     data = json.loads(path.read_text())
-    tables.validate_table_data(data)
+    table_format.validate_table_data(data)
     table = tables.load_table(path)
     assert table is not None and table.skipped == ()
     assert sum(len(b) for b in table.entries.values()) == sum(len(r) for r in data["entries"].values()) > 0

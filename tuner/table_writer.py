@@ -9,7 +9,7 @@
 - a table of another device is refused with a ValueError naming both;
 - a file the runtime would not use (corrupt, or tuned for another kernel source or triton major
   version) is moved aside to ``<name>.corrupt-<time>`` / ``<name>.stale-<time>``, with a warning;
-- nothing is written that ``tables.validate_table_data`` / ``tables.parse_table`` would reject.
+- nothing is written that ``table_format.validate_table_data`` / ``tables.parse_table`` would reject.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import filelock
 import torch
 
 from tsdecode.config import tables
-from tsdecode.config.tables import FORMAT_VERSION, TableEntry
+from tsdecode.config.table_format import FORMAT_VERSION, TableEntry
 from tsdecode.device import DeviceProperties
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,8 @@ without splitting a request's work more than that needs. The model, in four step
    worth (``partials_bound``); long requests that already reach half of it (a quarter for ragged
    lengths, whose short requests idle SMs at a wave's end; an eighth for one-warp programs of an
    fp8 cache, whose conversion the schedulers run out on first) split further, into about FULL_WAVES
-   waves, which balance the SMs; no count leaves a last wave that few programs use (under
+   waves, which balance the SMs (one-warp programs of equal lengths of a 16-bit cache that reach
+   the target unsplit only where that takes less time than one split: DRAM bounds them); no count leaves a last wave that few programs use (under
    WAVE_SATURATION full); one-warp fp8 programs of equal lengths, busy issuing, take fewer splits
    where the count puts more of them on an SM's busiest scheduler than the issue target and fewer
    leave that scheduler less work (``_within_schedulers``). One-split programs past a wave, and
@@ -44,13 +45,16 @@ without splitting a request's work more than that needs. The model, in four step
    lengths past a wave do not end together, so their waves overlap; a split count adds the merge
    pass and the partials its busiest SMs write and read). Four-warp programs of a wide tile end
    together, so a partly filled last wave idles whole SMs: their count is the one so far, a
-   larger one that fills whole waves (up to WIDE_MAX_WAVES) or one split, where a wave holds its
-   programs (of a 16-bit cache on pages of more than one token) or they fill more than two
-   waves, whichever takes least time.
+   larger one that fills whole waves (up to WIDE_MAX_WAVES), one tile a program for ragged
+   lengths (whose programs end apart) or one split, where a wave holds its programs (of a 16-bit
+   cache on pages of more than one token) or they fill more than two waves, whichever takes least
+   time.
 4. Programs against SMs (``programs.fit_programs_to_sms``): the tile, warps and stages of the
    programs once their count is known: smaller lean tiles where they keep one wave, four warps
-   where one-warp programs are left two tiles each or no more than the SMs, the fewest stages for
-   a program of one tile, and no pipeline for four-warp fp8 programs of large tiles.
+   where one-warp programs are left two tiles each or no more than the SMs, four warps and one
+   larger tile a program where fp8 programs of many query rows leave each warp scheduler one warp
+   or none, the fewest stages for a program of one tile, and no pipeline for four-warp fp8
+   programs of large tiles.
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """
@@ -292,12 +296,21 @@ def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties)
             long_splits -= 1  # a last wave that few programs use costs a whole wave
         balanced = long_splits > splits
         splits = max(splits, long_splits)
+        if (balanced and occ.family == "lean" and base >= occ.target * sms
+                and shape.kv_len_spread < RAGGED_SPREAD and shape.kv_dtype.itemsize > 1):
+            # One-warp programs of equal lengths of a 16-bit cache that reach the target unsplit
+            # end together, and DRAM, not an SM, bounds their waves: the balance buys nothing
+            # unless the count takes less time than one split.
+            if _time(shape, occ, 1, sms) <= _time(shape, occ, splits, sms):
+                splits, balanced = 1, False
     if splits == 1 and base > occ.resident_one_split * sms:
         splits = _fullest_waves(base, occ, tiles, sms)
     splits = min(splits, MAX_NUM_KV_SPLITS)
-    if occ.family == "wide":  # the count so far, a larger one filling whole waves, or one: least time
+    if occ.family == "wide":  # the count so far, whole waves, one tile each (ragged) or one: least time
         fills = (waves * resident * sms // base for waves in range(1, WIDE_MAX_WAVES + 1))
         counts = [splits, *(count for count in fills if splits < count <= min(tiles, MAX_NUM_KV_SPLITS))]
+        if shape.kv_len_spread >= RAGGED_SPREAD and splits < tiles <= MAX_NUM_KV_SPLITS:
+            counts.append(tiles)  # ragged programs end apart: one tile each, past whole waves
         # One split where one wave holds its programs, of a 16-bit cache on pages longer than a
         # token (an fp8 tile's chain is its conversion and products, a one-token page tile's its
         # tokens' page-ID loads, longer than the load latency _time counts), or where they fill

@@ -5,6 +5,8 @@ once their split count is known, against the SMs that run them.
   fewer stages) where those keep them in one wave (``_fit_one_wave``).
 - One-warp programs left two tiles each take four warps and one larger tile (``_two_tile_programs``).
 - One-warp programs no more than the SMs take four warps (``_spread_warps``).
+- One-warp fp8 programs of many query rows that leave each warp scheduler one warp or none take
+  four warps and one larger tile a program (``_fp8_programs_short_of_warps``).
 - A one-warp program of one tile takes the fewest stages (``_one_tile_stages``).
 - Four-warp fp8 programs of large tiles load them straight to registers (``_direct_fp8_loads``).
 """
@@ -15,7 +17,7 @@ import dataclasses
 
 from ..device import DeviceProperties
 from .residency import REGISTER_SUB_PARTITIONS, resident_programs_per_sm
-from .space import MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape
+from .space import BLOCK_N_CHOICES, MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape
 
 # Warp schedulers of an SM, one a register sub-partition: one-warp programs that have an SM each
 # leave all but one idle.
@@ -41,6 +43,12 @@ TWO_TILE_MAX_HEAD_DIM = 128
 DIRECT_MIN_TILE_ELEMENTS = 8 * 1024
 REGISTER_BOUND_TILE_ELEMENTS = 64 * 256
 DIRECT_MAX_CHAIN_TILES = 3
+# Split one-warp programs of an fp8 cache with at least FP8_FOUR_WARP_MIN_ROWS query rows a KV
+# head, no more than SCHEDULERS_PER_SM an SM, take four warps and one tile a program: the largest
+# of at most FP8_FOUR_WARP_MAX_TILE_ELEMENTS (halving down to TWO_TILE_ELEMENTS) whose programs
+# still cover the SMs. Fewer rows write partials too small for the fewer splits to save much.
+FP8_FOUR_WARP_MIN_ROWS = 10
+FP8_FOUR_WARP_MAX_TILE_ELEMENTS = 2 * REGISTER_BOUND_TILE_ELEMENTS
 
 
 def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
@@ -49,6 +57,7 @@ def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
     if family == "lean" and config.num_kv_splits == 1:
         config = _fit_one_wave(config, shape, device)
     config = _spread_warps(_two_tile_programs(config, shape), shape, device)
+    config = _fp8_programs_short_of_warps(config, shape, device)
     return _direct_fp8_loads(_one_tile_stages(config, shape), shape)
 
 
@@ -84,7 +93,11 @@ def _two_tile_programs(config: KernelConfig, shape: ProblemShape) -> KernelConfi
         return config
     if -(-shape.max_visible_tiles(config.block_n) // config.num_kv_splits) != 2:
         return config
-    block_n = TWO_TILE_ELEMENTS // shape.block_d
+    return _one_tile_a_program(config, shape, TWO_TILE_ELEMENTS // shape.block_d)
+
+
+def _one_tile_a_program(config: KernelConfig, shape: ProblemShape, block_n: int) -> KernelConfig:
+    """SCHEDULERS_PER_SM warps, one ``block_n``-token tile a program, loaded straight to registers."""
     splits = min(shape.max_visible_tiles(block_n), MAX_NUM_KV_SPLITS)
     return dataclasses.replace(config, block_n=block_n, num_kv_splits=splits, num_warps=SCHEDULERS_PER_SM,
                                num_stages=1)
@@ -98,6 +111,37 @@ def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DevicePrope
         return config
     one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
     return dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM, num_stages=2 if one_tile else config.num_stages)
+
+
+def _fp8_programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
+                                 device: DeviceProperties) -> KernelConfig:
+    """Split one-warp programs of an fp8 cache with at least FP8_FOUR_WARP_MIN_ROWS query rows a KV
+    head, no more than SCHEDULERS_PER_SM an SM, leave each warp scheduler one warp or none, which
+    converts and multiplies every tile alone. They take SCHEDULERS_PER_SM warps and one tile a
+    program, loaded straight to registers: the largest tile of at most
+    FP8_FOUR_WARP_MAX_TILE_ELEMENTS whose programs still cover the SMs (halving down to
+    TWO_TILE_ELEMENTS), where that takes no more splits than the one-warp programs had. Four warps
+    share each tile's conversion and products, and the fewer splits write fewer partial outputs,
+    which many rows make large. Not on one-token pages nor D > TWO_TILE_MAX_HEAD_DIM, as
+    ``_two_tile_programs``."""
+    if (shape.kv_dtype.itemsize != 1 or config.num_warps != 1 or config.num_kv_splits == 1
+            or shape.block_d > TWO_TILE_MAX_HEAD_DIM or shape.page_size == 1
+            or shape.rows_per_kv_head < FP8_FOUR_WARP_MIN_ROWS):
+        return config
+    base = shape.programs(config.block_m)
+    if base * config.num_kv_splits > SCHEDULERS_PER_SM * device.sm_count:
+        return config
+
+    def programs(elements: int) -> int:  # one tile of that many K elements a program
+        return base * min(shape.max_visible_tiles(elements // shape.block_d), MAX_NUM_KV_SPLITS)
+
+    elements = min(FP8_FOUR_WARP_MAX_TILE_ELEMENTS, max(BLOCK_N_CHOICES) * shape.block_d)
+    while elements > TWO_TILE_ELEMENTS and programs(elements) < device.sm_count:
+        elements //= 2
+    block_n = elements // shape.block_d
+    if shape.max_visible_tiles(block_n) > config.num_kv_splits:  # long chains: not one tile a program
+        return config
+    return _one_tile_a_program(config, shape, block_n)
 
 
 def _one_tile_stages(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
