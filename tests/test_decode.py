@@ -71,6 +71,10 @@ CASES = {
                                          config=KC(block_n=128, block_m=16, num_kv_splits=3, num_warps=4, num_stages=1)),
     "d128-fp8-bn64-four-warp-one-tile": Case(head_dim=128, num_qo_heads=12, num_kv_heads=2, kv_dtype=FP8, page_size=2,
                                              lens=(64, 65, 190), config=KC(block_n=64, block_m=16, num_kv_splits=3, num_warps=4, num_stages=1)),
+    # fp8 programs of many rows short of warps: one 256-token tile a program at D = 128, no pipeline
+    "d128-fp8-bn256-four-warp-one-tile": Case(head_dim=128, num_qo_heads=30, num_kv_heads=2, kv_dtype=FP8, page_size=16,
+                                              lens=(1, 256, 300, 513), config=KC(block_n=256, block_m=16, num_kv_splits=3,
+                                                                                 num_warps=4, num_stages=1)),
     # fixed SQ > 1, masks, windows
     "fixed-sq2-dense": Case(mode="fixed", seq_len_q=2, lens=(2, 40)),
     "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70), lengths="run"),
