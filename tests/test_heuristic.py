@@ -1330,7 +1330,8 @@ FRACTION_MARGIN = 0.03
 # by AO. Most sources also hold same-run re-timings of picks a later model moved there
 # (scripts/model_scores.py --untimed, scripts/sweep_configs.py --configs; the seventeenth part's
 # merge reads and one-tile stages, the eighteenth's one-stage fp8 four-warp tiles and four-warp
-# programs in place of one-warp programs of two tiles), which compare with the source's own best
+# programs in place of one-warp programs of two tiles, the nineteenth's four-warp one-tile fp8
+# programs and one split for equal 16-bit lengths), which compare with the source's own best
 # across two runs.
 MIN_MEASURED = {"T": 153, "A": 39, "H": 9, "B": 34, "C": 35, "D": 8, "E": 10, "F": 4, "G": 4, "I": 39,
                 "J": 37, "K": 36, "L": 34, "M": 37, "N": 35, "O": 36, "P": 34, "Q": 34, "R": 36,
