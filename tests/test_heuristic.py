@@ -157,7 +157,7 @@ def test_tile_families(device):
             else:
                 assert shape.kv_dtype.itemsize == 1, shape
                 assert PR.TWO_TILE_ELEMENTS < elements <= PR.FP8_FOUR_WARP_MAX_TILE_ELEMENTS, shape
-            if shape.kv_dtype.itemsize == 1 and shape.rows_per_kv_head >= PR.FP8_FOUR_WARP_MIN_ROWS:
+            if shape.kv_dtype.itemsize == 1 and shape.rows_per_kv_head >= PR.SHORT_OF_WARPS_MIN_ROWS:
                 programs = shape.programs(config.block_m) * config.num_kv_splits
                 assert programs >= device.sm_count or elements == PR.TWO_TILE_ELEMENTS, shape
             assert shape.block_d <= 128 and shape.page_size > 1, shape
@@ -731,15 +731,15 @@ def test_one_warp_programs_of_two_tiles_take_four_warps_and_one_tile():
         assert PR._two_tile_programs(dataclasses.replace(lean, num_kv_splits=splits), shape).num_warps == 1
 
 
-def test_fp8_programs_short_of_warps_take_four_warps_and_one_tile_each():
+def test_programs_short_of_warps_take_four_warps_and_one_tile_each():
     """B=2, G=15, Hkv=8, D=128, fp8, pages of 32 tokens, 1155 tokens: 16 lean programs of 16-token
     tiles, 18 splits (288 one-warp programs, 2.2 an SM: each warp scheduler one warp or none). Four
     warps and one tile a program instead: 256 tokens would leave 80 programs for 132 SMs, 128
     tokens leave 160: 10 splits of 128 tokens, one stage. B=3, G=14, Hkv=1, 18878 tokens, pages of
     2: 176 splits of 32-token tiles become 74 of 256 tokens (222 programs). Not for fewer than
-    FP8_FOUR_WARP_MIN_ROWS rows (G=9), more than four programs an SM (B=8: 640), one-token pages,
-    D > 128, a 16-bit cache, nor where one tile a program would take more splits than the one-warp
-    programs had."""
+    SHORT_OF_WARPS_MIN_ROWS rows (G=9), more than four programs an SM (B=8: 640), one-token pages,
+    D > 128, a 16-bit cache whose one-warp programs run more than one tile each, nor where one tile
+    a program would take more splits than the one-warp programs had."""
     shape = make_shape(2, 1155, num_qo_heads=120, num_kv_heads=8, page_size=32, kv_dtype=FP8)
     occ = occupancy(shape, H200)
     assert (occ.family, occ.config.block_n, occ.base_programs, num_kv_splits(shape, occ, H200)) == ("lean", 16, 16, 18)
@@ -752,7 +752,20 @@ def test_fp8_programs_short_of_warps_take_four_warps_and_one_tile_each():
                   dict(kv_dtype=torch.bfloat16)):
         assert heuristic_config(dataclasses.replace(shape, **other), H200).num_warps == 1, other
     lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=4, num_warps=1, num_stages=5)
-    assert PR._fp8_programs_short_of_warps(lean, shape, H200) == lean  # 5 tiles of 256 > 4 splits
+    assert PR._programs_short_of_warps(lean, shape, H200) == lean  # 5 tiles of 256 > 4 splits
+
+
+def test_sixteen_bit_one_tile_programs_short_of_warps_take_four_warps():
+    """B=11, G=15, Hkv=2, D=128, a 16-bit cache in pages of 16 tokens, 315 tokens: 22 lean programs
+    of 16-token tiles, 20 splits of one tile each (440 one-warp programs, 3.3 an SM). Four warps and
+    one 64-token tile a program instead: 5 splits. Not at D = 64, nor where the one-warp programs
+    run more than one tile (a 16-bit tile of 32K elements is too large to load in one go)."""
+    shape = make_shape(11, 315, num_qo_heads=30, num_kv_heads=2, page_size=16)
+    assert heuristic_config(shape, H200) == KernelConfig(block_n=64, block_m=16, num_kv_splits=5, num_warps=4,
+                                                         num_stages=1)
+    assert heuristic_config(dataclasses.replace(shape, head_dim=64), H200).num_warps == 1
+    chain = KernelConfig(block_n=16, block_m=16, num_kv_splits=10, num_warps=1, num_stages=5)
+    assert PR._programs_short_of_warps(chain, shape, H200) == chain  # two tiles a program
 
 
 def test_ragged_wide_programs_may_take_one_tile_each():

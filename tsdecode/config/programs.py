@@ -5,8 +5,9 @@ once their split count is known, against the SMs that run them.
   fewer stages) where those keep them in one wave (``_fit_one_wave``).
 - One-warp programs left two tiles each take four warps and one larger tile (``_two_tile_programs``).
 - One-warp programs no more than the SMs take four warps (``_spread_warps``).
-- One-warp fp8 programs of many query rows that leave each warp scheduler one warp or none take
-  four warps and one larger tile a program (``_fp8_programs_short_of_warps``).
+- One-warp programs of many query rows that leave each warp scheduler one warp or none take four
+  warps and one larger tile a program: fp8 caches, and 16-bit ones at D = 128 whose programs run
+  one tile already (``_programs_short_of_warps``).
 - A one-warp program of one tile takes the fewest stages (``_one_tile_stages``).
 - Four-warp fp8 programs of large tiles load them straight to registers (``_direct_fp8_loads``).
 """
@@ -43,12 +44,16 @@ TWO_TILE_MAX_HEAD_DIM = 128
 DIRECT_MIN_TILE_ELEMENTS = 8 * 1024
 REGISTER_BOUND_TILE_ELEMENTS = 64 * 256
 DIRECT_MAX_CHAIN_TILES = 3
-# Split one-warp programs of an fp8 cache with at least FP8_FOUR_WARP_MIN_ROWS query rows a KV
-# head, no more than SCHEDULERS_PER_SM an SM, take four warps and one tile a program: the largest
-# of at most FP8_FOUR_WARP_MAX_TILE_ELEMENTS (halving down to TWO_TILE_ELEMENTS) whose programs
-# still cover the SMs. Fewer rows write partials too small for the fewer splits to save much.
-FP8_FOUR_WARP_MIN_ROWS = 10
+# Split one-warp programs with at least SHORT_OF_WARPS_MIN_ROWS query rows a KV head, no more
+# than SCHEDULERS_PER_SM an SM, take four warps and one tile a program; for an fp8 cache the
+# largest of at most FP8_FOUR_WARP_MAX_TILE_ELEMENTS (halving down to TWO_TILE_ELEMENTS) whose
+# programs still cover the SMs. Fewer rows write partials too small for the fewer splits to save
+# much.
+SHORT_OF_WARPS_MIN_ROWS = 10
 FP8_FOUR_WARP_MAX_TILE_ELEMENTS = 2 * REGISTER_BOUND_TILE_ELEMENTS
+# 16-bit caches: only one-warp programs of one tile each, at this head dim, take four warps and one
+# TWO_TILE_ELEMENTS tile a program (the sweeps' D = 64 picks and longer chains were slower).
+SIXTEEN_BIT_ONE_TILE_HEAD_DIM = 128
 
 
 def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
@@ -57,7 +62,7 @@ def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
     if family == "lean" and config.num_kv_splits == 1:
         config = _fit_one_wave(config, shape, device)
     config = _spread_warps(_two_tile_programs(config, shape), shape, device)
-    config = _fp8_programs_short_of_warps(config, shape, device)
+    config = _programs_short_of_warps(config, shape, device)
     return _direct_fp8_loads(_one_tile_stages(config, shape), shape)
 
 
@@ -113,24 +118,30 @@ def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DevicePrope
     return dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM, num_stages=2 if one_tile else config.num_stages)
 
 
-def _fp8_programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
-                                 device: DeviceProperties) -> KernelConfig:
-    """Split one-warp programs of an fp8 cache with at least FP8_FOUR_WARP_MIN_ROWS query rows a KV
-    head, no more than SCHEDULERS_PER_SM an SM, leave each warp scheduler one warp or none, which
-    converts and multiplies every tile alone. They take SCHEDULERS_PER_SM warps and one tile a
-    program, loaded straight to registers: the largest tile of at most
-    FP8_FOUR_WARP_MAX_TILE_ELEMENTS whose programs still cover the SMs (halving down to
-    TWO_TILE_ELEMENTS), where that takes no more splits than the one-warp programs had. Four warps
-    share each tile's conversion and products, and the fewer splits write fewer partial outputs,
-    which many rows make large. Not on one-token pages nor D > TWO_TILE_MAX_HEAD_DIM, as
-    ``_two_tile_programs``."""
-    if (shape.kv_dtype.itemsize != 1 or config.num_warps != 1 or config.num_kv_splits == 1
-            or shape.block_d > TWO_TILE_MAX_HEAD_DIM or shape.page_size == 1
-            or shape.rows_per_kv_head < FP8_FOUR_WARP_MIN_ROWS):
+def _programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
+                             device: DeviceProperties) -> KernelConfig:
+    """Split one-warp programs with at least SHORT_OF_WARPS_MIN_ROWS query rows a KV head, no more
+    than SCHEDULERS_PER_SM an SM, leave each warp scheduler one warp or none, which works through
+    every tile's products (and, for an fp8 cache, its conversion) alone. They take
+    SCHEDULERS_PER_SM warps and one tile a program, loaded straight to registers, which share each
+    tile's work, and the fewer splits write fewer partial outputs, which many rows make large.
+    - fp8 caches: the largest tile of at most FP8_FOUR_WARP_MAX_TILE_ELEMENTS whose programs still
+      cover the SMs (halving down to TWO_TILE_ELEMENTS), where that takes no more splits than the
+      one-warp programs had.
+    - 16-bit caches, which cost a warp no conversion: only programs of one tile already, at
+      D = SIXTEEN_BIT_ONE_TILE_HEAD_DIM, take one TWO_TILE_ELEMENTS tile each.
+    Not on one-token pages nor D > TWO_TILE_MAX_HEAD_DIM, as ``_two_tile_programs``."""
+    if (config.num_warps != 1 or config.num_kv_splits == 1 or shape.block_d > TWO_TILE_MAX_HEAD_DIM
+            or shape.page_size == 1 or shape.rows_per_kv_head < SHORT_OF_WARPS_MIN_ROWS):
         return config
     base = shape.programs(config.block_m)
     if base * config.num_kv_splits > SCHEDULERS_PER_SM * device.sm_count:
         return config
+    if shape.kv_dtype.itemsize > 1:  # 16-bit: one-tile programs at D = 128 only, one 8K-element tile
+        one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
+        if not one_tile or shape.block_d != SIXTEEN_BIT_ONE_TILE_HEAD_DIM:
+            return config
+        return _one_tile_a_program(config, shape, TWO_TILE_ELEMENTS // shape.block_d)
 
     def programs(elements: int) -> int:  # one tile of that many K elements a program
         return base * min(shape.max_visible_tiles(elements // shape.block_d), MAX_NUM_KV_SPLITS)
