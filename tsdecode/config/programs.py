@@ -9,7 +9,8 @@ once their split count is known, against the SMs that run them.
   warps and one larger tile a program: fp8 caches, and 16-bit ones at D = 128 whose programs run
   one tile already (``_programs_short_of_warps``).
 - A one-warp program of one tile takes the fewest stages (``_one_tile_stages``).
-- Four-warp fp8 programs of large tiles load them straight to registers (``_direct_fp8_loads``).
+- Four-warp fp8 programs of large tiles, or of one tile that gathers several pages, load them
+  straight to registers (``_direct_fp8_loads``).
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ ONE_TILE_STAGES_CROSSING = 1
 TWO_TILE_ELEMENTS = 8 * 1024
 TWO_TILE_MIN_ROWS = 5
 TWO_TILE_MAX_HEAD_DIM = 128
-# Four-warp fp8 tiles of at least this many K elements load straight to registers; a tile of more
-# than REGISTER_BOUND_TILE_ELEMENTS (the 128 x 256 one, every register a thread may hold) only
+# Four-warp fp8 tiles of at least this many K elements load straight to registers (from
+# ONE_TILE_DIRECT_MIN_ELEMENTS where a program runs one tile that gathers several pages); a tile of
+# more than REGISTER_BOUND_TILE_ELEMENTS (the 128 x 256 one, every register a thread may hold) only
 # where a program runs at most DIRECT_MAX_CHAIN_TILES of them.
 DIRECT_MIN_TILE_ELEMENTS = 8 * 1024
+ONE_TILE_DIRECT_MIN_ELEMENTS = 4 * 1024
 REGISTER_BOUND_TILE_ELEMENTS = 64 * 256
 DIRECT_MAX_CHAIN_TILES = 3
 # Split one-warp programs with at least SHORT_OF_WARPS_MIN_ROWS query rows a KV head, no more
@@ -173,11 +176,18 @@ def _direct_fp8_loads(config: KernelConfig, shape: ProblemShape) -> KernelConfig
     it straight to registers (one stage), where a pipeline would stage it through shared memory and
     convert it from there: for such a tile that round trip costs more than the prefetch saves. A
     tile of more than REGISTER_BOUND_TILE_ELEMENTS keeps its prefetch where a program runs more
-    than DIRECT_MAX_CHAIN_TILES of them."""
+    than DIRECT_MAX_CHAIN_TILES of them. A program of one tile that gathers several pages has
+    nothing to prefetch: it loads the tile straight to registers from ONE_TILE_DIRECT_MIN_ELEMENTS
+    (a 32-token tile at D = 128; at D = 64 the staged tile measured faster). One-token pages keep
+    the pipeline, as in ``_one_tile_stages``."""
     elements = config.block_n * shape.block_d
-    if shape.kv_dtype.itemsize != 1 or config.num_warps < 4 or elements < DIRECT_MIN_TILE_ELEMENTS:
+    if shape.kv_dtype.itemsize != 1 or config.num_warps < 4:
         return config
     chain = -(-shape.max_visible_tiles(config.block_n) // config.num_kv_splits)
+    gathers = shape.page_size > 1 and shape.page_size % config.block_n != 0
+    least = ONE_TILE_DIRECT_MIN_ELEMENTS if chain == 1 and gathers else DIRECT_MIN_TILE_ELEMENTS
+    if elements < least:
+        return config
     if elements > REGISTER_BOUND_TILE_ELEMENTS and chain > DIRECT_MAX_CHAIN_TILES:
         return config
     return dataclasses.replace(config, num_stages=1)
