@@ -75,6 +75,10 @@ CASES = {
     "d128-fp8-bn256-four-warp-one-tile": Case(head_dim=128, num_qo_heads=30, num_kv_heads=2, kv_dtype=FP8, page_size=16,
                                               lens=(1, 256, 300, 513), config=KC(block_n=256, block_m=16, num_kv_splits=3,
                                                                                  num_warps=4, num_stages=1)),
+    # four-warp fp8 programs of one 32-token tile gathering two 16-token pages, no pipeline
+    "d128-fp8-bn32-four-warp-one-stage": Case(head_dim=128, num_qo_heads=16, num_kv_heads=2, kv_dtype=FP8, page_size=16,
+                                              lens=(1, 17, 60, 96), config=KC(block_n=32, block_m=16, num_kv_splits=3,
+                                                                              num_warps=4, num_stages=1)),
     # fixed SQ > 1, masks, windows
     "fixed-sq2-dense": Case(mode="fixed", seq_len_q=2, lens=(2, 40)),
     "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70), lengths="run"),
