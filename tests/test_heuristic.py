@@ -152,7 +152,6 @@ def test_tile_families(device):
         if family == "lean" and config.num_warps == 4 and config.num_stages == 1 and elements >= PR.TWO_TILE_ELEMENTS:
             # programs of two lean tiles take four warps and one 8K-element tile each, no pipeline;
             # fp8 ones of many rows, few an SM, one tile of 8K-32K elements
-            elements = config.block_n * shape.block_d
             if elements == PR.TWO_TILE_ELEMENTS:
                 assert shape.rows_per_kv_head >= PR.TWO_TILE_MIN_ROWS, shape
             else:
@@ -189,7 +188,6 @@ def test_tile_families(device):
             # an fp8 tile of 8K elements or more loads straight to registers (one stage), the largest
             # tile only for chains of at most three tiles; from 4K elements, one tile a program that
             # gathers several pages
-            elements = config.block_n * shape.block_d
             chain = -(-shape.max_visible_tiles(config.block_n) // config.num_kv_splits)
             gathers = chain == 1 and shape.page_size > 1 and shape.page_size % config.block_n != 0
             direct = (shape.kv_dtype.itemsize == 1 and elements >= (4096 if gathers else 8192)

@@ -55,7 +55,7 @@ DIRECT_MAX_CHAIN_TILES = 3
 SHORT_OF_WARPS_MIN_ROWS = 10
 FP8_FOUR_WARP_MAX_TILE_ELEMENTS = 2 * REGISTER_BOUND_TILE_ELEMENTS
 # 16-bit caches: only one-warp programs of one tile each, at this head dim, take four warps and one
-# TWO_TILE_ELEMENTS tile a program (the sweeps' D = 64 picks and longer chains were slower).
+# TWO_TILE_ELEMENTS tile a program (at D = 64, and for longer chains, four warps measured slower).
 SIXTEEN_BIT_ONE_TILE_HEAD_DIM = 128
 
 
@@ -126,8 +126,8 @@ def _programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
     """Split one-warp programs with at least SHORT_OF_WARPS_MIN_ROWS query rows a KV head, no more
     than SCHEDULERS_PER_SM an SM, leave each warp scheduler one warp or none, which works through
     every tile's products (and, for an fp8 cache, its conversion) alone. They take
-    SCHEDULERS_PER_SM warps and one tile a program, loaded straight to registers, which share each
-    tile's work, and the fewer splits write fewer partial outputs, which many rows make large.
+    SCHEDULERS_PER_SM warps, which share each tile's work, and one tile a program, loaded straight
+    to registers; the fewer splits write fewer partial outputs, which many rows make large.
     - fp8 caches: the largest tile of at most FP8_FOUR_WARP_MAX_TILE_ELEMENTS whose programs still
       cover the SMs (halving down to TWO_TILE_ELEMENTS), where that takes no more splits than the
       one-warp programs had.
