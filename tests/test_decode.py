@@ -79,6 +79,20 @@ CASES = {
     "d128-fp8-bn32-four-warp-one-stage": Case(head_dim=128, num_qo_heads=16, num_kv_heads=2, kv_dtype=FP8, page_size=16,
                                               lens=(1, 17, 60, 96), config=KC(block_n=32, block_m=16, num_kv_splits=3,
                                                                               num_warps=4, num_stages=1)),
+    # four-warp programs no more than the SMs, one tile holding the whole request (one split): 256
+    # tokens at D=64 over 3-token pages, two stages; 128 at D=128 of an fp8 cache over 4-token
+    # pages, no pipeline; 128 at D=64 over one-token pages
+    "d64-bn256-four-warp-whole-request": Case(head_dim=64, num_qo_heads=20, num_kv_heads=2, page_size=3,
+                                              lens=(1, 130, 218), config=KC(block_n=256, block_m=16, num_kv_splits=1,
+                                                                            num_warps=4, num_stages=2)),
+    "d128-fp8-bn128-four-warp-whole-request": Case(head_dim=128, num_qo_heads=14, num_kv_heads=2, kv_dtype=FP8,
+                                                   page_size=4, lens=(1, 64, 105),
+                                                   config=KC(block_n=128, block_m=16, num_kv_splits=1, num_warps=4,
+                                                             num_stages=1)),
+    "d64-page1-bn128-four-warp-whole-request": Case(head_dim=64, num_qo_heads=24, num_kv_heads=2, page_size=1,
+                                                    lens=(2, 77, 105), pad_value=-1,
+                                                    config=KC(block_n=128, block_m=16, num_kv_splits=1, num_warps=4,
+                                                              num_stages=2)),
     # fixed SQ > 1, masks, windows
     "fixed-sq2-dense": Case(mode="fixed", seq_len_q=2, lens=(2, 40)),
     "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70), lengths="run"),

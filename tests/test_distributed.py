@@ -47,13 +47,14 @@ from tuner.devices import compile_workers_per_device
 
 REPO = Path(__file__).resolve().parent.parent
 THIS = Path(__file__).resolve()
-# The smoke preset (4 buckets), block_n 16/32 x num_kv_splits 1/2 x num_stages 2/3 a bucket; the
+# The smoke preset (4 buckets), block_n 16/64 x num_kv_splits 1/2 x num_stages 2/3 a bucket; the
 # space also takes in the heuristic default's value of each field, so a default outside it adds
-# grid points (a default's split count or four warps: at most 16 points, all of them trials).
-GRID = ["--preset", "smoke", "--block-n", "16,32", "--block-m", "16", "--num-kv-splits", "1,2", "--num-warps", "1",
+# grid points (a default's split count, or four warps with the 64-token tile that holds a whole
+# request: at most 16 points, all of them trials).
+GRID = ["--preset", "smoke", "--block-n", "16,64", "--block-m", "16", "--num-kv-splits", "1,2", "--num-warps", "1",
         "--num-stages", "2,3", "--trials", "16"]
 GRID_POINTS = {tuple(sorted(dict(block_n=n, block_m=16, num_kv_splits=s, num_warps=1, num_stages=st).items()))
-               for n in (16, 32) for s in (1, 2) for st in (2, 3)}
+               for n in (16, 64) for s in (1, 2) for st in (2, 3)}
 FAST = ["--no-progress", "--retime-rounds", "1", "--top-k", "1", "--isolation", "inline"]
 HOOK = f"{THIS}:fake_time"
 MARKER_ENV, MODE_ENV = "TSDECODE_TEST_MARKER", "TSDECODE_TEST_HOOK_MODE"
@@ -120,7 +121,8 @@ def _bucket_studies(storage) -> list[optuna.Study]:
 def _check_trials(storage, killed: bool = False) -> dict:
     """No trial lost or duplicated: each study holds every grid point once among its finished
     trials, each fitted config measured once, nothing left running or queued. Returns
-    {study: {params: (state, measured key)}} to compare runs."""
+    {study: {params: (state, fitted config's key)}} to compare runs (where two grid points fit to
+    one config, which of them measured it depends on the trials' order)."""
     found = {}
     for s in _bucket_studies(storage):
         trials = s.get_trials(deepcopy=False)
@@ -137,7 +139,7 @@ def _check_trials(storage, killed: bool = False) -> dict:
             if not t.user_attrs["measured"]:
                 assert t.user_attrs["key"] in keys and t.user_attrs["duplicate_of"] is not None
         assert s.user_attrs["final"]["ok"]
-        found[s.study_name] = {p: (t.state.name, t.user_attrs["measured"]) for p, t in zip(params, finished)}
+        found[s.study_name] = {p: (t.state.name, t.user_attrs["key"]) for p, t in zip(params, finished)}
     assert len(found) == 4
     return found
 
@@ -430,7 +432,7 @@ def test_the_job_record_holds_what_a_worker_needs(one_worker):
     storage = study.open_storage(one_worker["storage"])
     job = J.load_job(storage, one_worker["job"])
     assert len(job.specs) == 4 and len(job.buckets) == 4
-    assert job.settings.trials == 16 and job.settings.limits.block_n == (16, 32) and job.interpreter
+    assert job.settings.trials == 16 and job.settings.limits.block_n == (16, 64) and job.interpreter
     assert job.heartbeat.grace == 2 * job.settings.trial_timeout
     assert set(J.study_names(storage, job)) == {b.key for b in job.buckets}
     assert J.pinned(storage, job.name).device.name == CPU_NAME

@@ -136,6 +136,21 @@ def test_deep_pipeline_16bit_caches(block_n, warps, dtype):
             run_and_check(case)
 
 
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(BF16, BF16), (FP16, FP16), (BF16, FP8)])
+@pytest.mark.parametrize("head_dim,block_n,stages,p", [(64, 256, 2, 3), (128, 128, 1, 4), (128, 128, 2, 32),
+                                                       (64, 128, 2, 1)])
+def test_four_warp_one_tile_programs(q_dtype, kv_dtype, head_dim, block_n, stages, p):
+    """The model's four-warp programs of one large tile each, every cache dtype: one split whose
+    tile holds a whole request (programs no more than the SMs), and many splits of one tile each (a
+    long request); lengths of one token, across pages and tiles, up to the tile's end."""
+    for splits, lens in ((1, (1, block_n // 2 + 1, block_n)), (40, (1, 3 * block_n + 7, 40 * block_n - 5))):
+        case = Case(lens=lens, num_qo_heads=20, num_kv_heads=2, head_dim=head_dim, page_size=p, dtype=q_dtype,
+                    kv_dtype=kv_dtype, seed=block_n + splits + p,
+                    config=KernelConfig(block_n=block_n, block_m=16, num_kv_splits=splits, num_warps=4,
+                                        num_stages=stages))
+        run_and_check(case)
+
+
 def test_million_token_request():
     """K/V length 2**20 (1,048,576 tokens) in one request, split across many programs."""
     case = Case(lens=(1 << 20, 3), num_qo_heads=8, num_kv_heads=1, head_dim=64, page_size=256, extra_cols=0)

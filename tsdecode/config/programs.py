@@ -4,10 +4,12 @@ once their split count is known, against the SMs that run them.
 - Lean programs of one split and equal lengths that spill past one wave take smaller tiles (or
   fewer stages) where those keep them in one wave (``_fit_one_wave``).
 - One-warp programs left two tiles each take four warps and one larger tile (``_two_tile_programs``).
-- One-warp programs no more than the SMs take four warps (``_spread_warps``).
+- One-warp programs no more than the SMs take four warps, and one tile a program where a tile
+  held in registers makes it one (``_spread_warps``).
 - One-warp programs of many query rows that leave each warp scheduler one warp or none take four
   warps and one larger tile a program: fp8 caches, and 16-bit ones at D = 128 whose programs run
-  one tile already (``_programs_short_of_warps``).
+  one tile already (``_programs_short_of_warps``); so do one-warp programs of one page-gathering
+  tile each at MANY_SPLITS or more splits (``_many_one_tile_splits``).
 - A one-warp program of one tile takes the fewest stages (``_one_tile_stages``).
 - Four-warp fp8 programs of large tiles, or of one tile that gathers several pages, load them
   straight to registers (``_direct_fp8_loads``).
@@ -57,6 +59,12 @@ FP8_FOUR_WARP_MAX_TILE_ELEMENTS = 2 * REGISTER_BOUND_TILE_ELEMENTS
 # 16-bit caches: only one-warp programs of one tile each, at this head dim, take four warps and one
 # TWO_TILE_ELEMENTS tile a program (at D = 64, and for longer chains, four warps measured slower).
 SIXTEEN_BIT_ONE_TILE_HEAD_DIM = 128
+# One-warp programs of one page-gathering tile of at least MANY_SPLITS_MIN_BLOCK_N tokens each,
+# whatever their rows and count: from MANY_SPLITS splits of a request, whose merge pass reads each
+# query row's partials from every split, they take four warps and one TWO_TILE_ELEMENTS tile a
+# program.
+MANY_SPLITS = 64
+MANY_SPLITS_MIN_BLOCK_N = 32
 
 
 def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
@@ -65,7 +73,7 @@ def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
     if family == "lean" and config.num_kv_splits == 1:
         config = _fit_one_wave(config, shape, device)
     config = _spread_warps(_two_tile_programs(config, shape), shape, device)
-    config = _programs_short_of_warps(config, shape, device)
+    config = _many_one_tile_splits(_programs_short_of_warps(config, shape, device), shape)
     return _direct_fp8_loads(_one_tile_stages(config, shape), shape)
 
 
@@ -114,11 +122,19 @@ def _one_tile_a_program(config: KernelConfig, shape: ProblemShape, block_n: int)
 def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
     """One-warp programs no more than the SMs each have an SM to themselves, whose other warp
     schedulers would idle: they take SCHEDULERS_PER_SM warps, which share each tile's loads and
-    products. A program of one tile has nothing to prefetch: two stages, the fewest buffers."""
+    products. A program of several tiles takes the smallest tile that leaves it one (no more
+    programs) where four warps hold that tile in registers (at most REGISTER_BOUND_TILE_ELEMENTS):
+    its chain of dependent tiles becomes one load. A program of one tile has nothing to prefetch:
+    two stages, the fewest buffers."""
     if config.num_warps != 1 or shape.programs(config.block_m) * config.num_kv_splits > device.sm_count:
         return config
-    one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
-    return dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM, num_stages=2 if one_tile else config.num_stages)
+    config = dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM)
+    whole = next((block_n for block_n in BLOCK_N_CHOICES
+                  if shape.max_visible_tiles(block_n) <= config.num_kv_splits), None)
+    if whole is None or whole * shape.block_d > REGISTER_BOUND_TILE_ELEMENTS:
+        return config
+    block_n = max(whole, config.block_n)
+    return dataclasses.replace(config, block_n=block_n, num_kv_splits=shape.max_visible_tiles(block_n), num_stages=2)
 
 
 def _programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
@@ -154,6 +170,24 @@ def _programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
         elements //= 2
     block_n = elements // shape.block_d
     if shape.max_visible_tiles(block_n) > config.num_kv_splits:  # long chains: not one tile a program
+        return config
+    return _one_tile_a_program(config, shape, block_n)
+
+
+def _many_one_tile_splits(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
+    """One-warp programs of one tile each that gathers several pages, at MANY_SPLITS or more
+    splits (a long request of few KV heads), take SCHEDULERS_PER_SM warps and one
+    TWO_TILE_ELEMENTS tile a program. Each such program waits on its pages' IDs before its loads,
+    a dependent step that four warps take once for a larger tile, and fewer, larger splits write
+    fewer partials, which the merge pass reads back split by split for each query row. Not for
+    tiles inside a page or of fewer than MANY_SPLITS_MIN_BLOCK_N tokens (four warps measured no
+    faster there), nor on one-token pages or D > TWO_TILE_MAX_HEAD_DIM, as ``_two_tile_programs``."""
+    if (config.num_warps != 1 or config.num_kv_splits < MANY_SPLITS or config.block_n < MANY_SPLITS_MIN_BLOCK_N
+            or shape.block_d > TWO_TILE_MAX_HEAD_DIM or shape.page_size == 1
+            or shape.page_size % config.block_n == 0):
+        return config
+    block_n = TWO_TILE_ELEMENTS // shape.block_d
+    if shape.max_visible_tiles(config.block_n) > config.num_kv_splits or block_n <= config.block_n:
         return config
     return _one_tile_a_program(config, shape, block_n)
 
