@@ -51,9 +51,9 @@ without splitting a request's work more than that needs. The model, in four step
    time.
 4. Programs against SMs (``programs.fit_programs_to_sms``): the tile, warps and stages of the
    programs once their count is known: smaller lean tiles where they keep one wave, four warps
-   where one-warp programs are left two tiles each or no more than the SMs (those with one tile
-   that holds their tokens, held in registers), four warps and one larger tile a program where
-   programs of many query rows leave each warp scheduler one warp or none or where one-tile
+   where one-warp programs are left two tiles each or no more than the SMs (the latter one tile a
+   program where a tile held in registers makes it one), four warps and one larger tile a program
+   where programs of many query rows leave each warp scheduler one warp or none or where one-tile
    programs gathering pages run many splits, the fewest stages for a program of one tile, and no
    pipeline for four-warp fp8 programs of large tiles.
 
