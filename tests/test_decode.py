@@ -93,6 +93,19 @@ CASES = {
                                                     lens=(2, 77, 105), pad_value=-1,
                                                     config=KC(block_n=128, block_m=16, num_kv_splits=1, num_warps=4,
                                                               num_stages=2)),
+    # eight-warp programs no more than the SMs, one 32K-element tile holding the whole request, no
+    # pipeline: 256 tokens at D=128 over 24-token pages (16 and 32 query rows a program); 128 at D=256
+    # of an fp8 cache over 16-token pages
+    "d128-bn256-eight-warp-whole-request": Case(head_dim=128, num_qo_heads=14, num_kv_heads=2, page_size=24,
+                                                lens=(1, 129, 200), config=KC(block_n=256, block_m=16, num_kv_splits=1,
+                                                                              num_warps=8, num_stages=1)),
+    "d128-g32-bn256-eight-warp-whole-request": Case(head_dim=128, num_qo_heads=32, num_kv_heads=1, page_size=24,
+                                                    lens=(3, 256), config=KC(block_n=256, block_m=32, num_kv_splits=1,
+                                                                             num_warps=8, num_stages=1)),
+    "d256-fp8-bn128-eight-warp-whole-request": Case(head_dim=256, num_qo_heads=16, num_kv_heads=2, kv_dtype=FP8,
+                                                    page_size=16, lens=(1, 64, 120),
+                                                    config=KC(block_n=128, block_m=16, num_kv_splits=1, num_warps=8,
+                                                              num_stages=1)),
     # fixed SQ > 1, masks, windows
     "fixed-sq2-dense": Case(mode="fixed", seq_len_q=2, lens=(2, 40)),
     "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70), lengths="run"),

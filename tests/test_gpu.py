@@ -151,6 +151,17 @@ def test_four_warp_one_tile_programs(q_dtype, kv_dtype, head_dim, block_n, stage
         run_and_check(case)
 
 
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(BF16, BF16), (FP16, FP16), (BF16, FP8)])
+@pytest.mark.parametrize("head_dim,block_n,p", [(128, 256, 24), (128, 256, 1), (256, 128, 16)])
+def test_eight_warp_whole_request_programs(q_dtype, kv_dtype, head_dim, block_n, p):
+    """The model's eight-warp programs of one 32K-element tile holding a whole request (one split, no
+    pipeline), every cache dtype: lengths of one token, across pages, up to the tile's end."""
+    case = Case(lens=(1, block_n // 2 + 1, block_n - 3, block_n), num_qo_heads=28, num_kv_heads=4,
+                head_dim=head_dim, page_size=p, dtype=q_dtype, kv_dtype=kv_dtype, seed=block_n + p,
+                config=KernelConfig(block_n=block_n, block_m=16, num_kv_splits=1, num_warps=8, num_stages=1))
+    run_and_check(case)
+
+
 def test_million_token_request():
     """K/V length 2**20 (1,048,576 tokens) in one request, split across many programs."""
     case = Case(lens=(1 << 20, 3), num_qo_heads=8, num_kv_heads=1, head_dim=64, page_size=256, extra_cols=0)

@@ -52,10 +52,11 @@ without splitting a request's work more than that needs. The model, in four step
 4. Programs against SMs (``programs.fit_programs_to_sms``): the tile, warps and stages of the
    programs once their count is known: smaller lean tiles where they keep one wave, four warps
    where one-warp programs are left two tiles each or no more than the SMs (the latter one tile a
-   program where a tile held in registers makes it one), four warps and one larger tile a program
-   where programs of many query rows leave each warp scheduler one warp or none or where one-tile
-   programs gathering pages run many splits, the fewest stages for a program of one tile, and no
-   pipeline for four-warp fp8 programs of large tiles.
+   program where a tile held in registers makes it one, eight warps for a tile twice the size),
+   four warps and one larger tile a program where programs of many query rows leave each warp
+   scheduler one warp or none or where one-tile programs of an fp8 cache or gathering pages run
+   many splits, the fewest stages for a program of one tile, and no pipeline for four-warp fp8
+   programs of large tiles.
 
 Where a shape needs a config this model does not give, that belongs in a tuned table entry.
 """

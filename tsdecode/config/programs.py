@@ -59,10 +59,10 @@ FP8_FOUR_WARP_MAX_TILE_ELEMENTS = 2 * REGISTER_BOUND_TILE_ELEMENTS
 # 16-bit caches: only one-warp programs of one tile each, at this head dim, take four warps and one
 # TWO_TILE_ELEMENTS tile a program (at D = 64, and for longer chains, four warps measured slower).
 SIXTEEN_BIT_ONE_TILE_HEAD_DIM = 128
-# One-warp programs of one page-gathering tile of at least MANY_SPLITS_MIN_BLOCK_N tokens each,
-# whatever their rows and count: from MANY_SPLITS splits of a request, whose merge pass reads each
-# query row's partials from every split, they take four warps and one TWO_TILE_ELEMENTS tile a
-# program.
+# One-warp programs of one tile each, whatever their rows and count: from MANY_SPLITS splits of a
+# request, whose merge pass reads each query row's partials from every split, they take four warps
+# and one TWO_TILE_ELEMENTS tile a program where the cache is fp8, or the tile gathers pages and
+# holds at least MANY_SPLITS_MIN_BLOCK_N tokens.
 MANY_SPLITS = 64
 MANY_SPLITS_MIN_BLOCK_N = 32
 
@@ -123,18 +123,26 @@ def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DevicePrope
     """One-warp programs no more than the SMs each have an SM to themselves, whose other warp
     schedulers would idle: they take SCHEDULERS_PER_SM warps, which share each tile's loads and
     products. A program of several tiles takes the smallest tile that leaves it one (no more
-    programs) where four warps hold that tile in registers (at most REGISTER_BOUND_TILE_ELEMENTS):
-    its chain of dependent tiles becomes one load. A program of one tile has nothing to prefetch:
-    two stages, the fewest buffers."""
+    programs) where its warps hold that tile in registers: its chain of dependent tiles becomes
+    one load. Four warps hold REGISTER_BOUND_TILE_ELEMENTS; a tile of up to twice that takes twice
+    the warps, loaded straight to registers (one stage), since staging a tile that large through
+    shared memory costs more than it saves. A program of one tile has nothing to prefetch: two
+    stages, the fewest buffers."""
     if config.num_warps != 1 or shape.programs(config.block_m) * config.num_kv_splits > device.sm_count:
         return config
     config = dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM)
     whole = next((block_n for block_n in BLOCK_N_CHOICES
                   if shape.max_visible_tiles(block_n) <= config.num_kv_splits), None)
-    if whole is None or whole * shape.block_d > REGISTER_BOUND_TILE_ELEMENTS:
+    if whole is None:
         return config
     block_n = max(whole, config.block_n)
-    return dataclasses.replace(config, block_n=block_n, num_kv_splits=shape.max_visible_tiles(block_n), num_stages=2)
+    elements = block_n * shape.block_d
+    if elements > 2 * REGISTER_BOUND_TILE_ELEMENTS:
+        return config
+    config = dataclasses.replace(config, block_n=block_n, num_kv_splits=shape.max_visible_tiles(block_n))
+    if elements > REGISTER_BOUND_TILE_ELEMENTS:
+        return dataclasses.replace(config, num_warps=2 * SCHEDULERS_PER_SM, num_stages=1)
+    return dataclasses.replace(config, num_stages=2)
 
 
 def _programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
@@ -175,16 +183,19 @@ def _programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
 
 
 def _many_one_tile_splits(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
-    """One-warp programs of one tile each that gathers several pages, at MANY_SPLITS or more
-    splits (a long request of few KV heads), take SCHEDULERS_PER_SM warps and one
-    TWO_TILE_ELEMENTS tile a program. Each such program waits on its pages' IDs before its loads,
-    a dependent step that four warps take once for a larger tile, and fewer, larger splits write
-    fewer partials, which the merge pass reads back split by split for each query row. Not for
-    tiles inside a page or of fewer than MANY_SPLITS_MIN_BLOCK_N tokens (four warps measured no
-    faster there), nor on one-token pages or D > TWO_TILE_MAX_HEAD_DIM, as ``_two_tile_programs``."""
-    if (config.num_warps != 1 or config.num_kv_splits < MANY_SPLITS or config.block_n < MANY_SPLITS_MIN_BLOCK_N
-            or shape.block_d > TWO_TILE_MAX_HEAD_DIM or shape.page_size == 1
-            or shape.page_size % config.block_n == 0):
+    """One-warp programs of one tile each at MANY_SPLITS or more splits (a long request of few KV
+    heads) take SCHEDULERS_PER_SM warps and one TWO_TILE_ELEMENTS tile a program where each one
+    warp waits on more than its loads: an fp8 tile's conversion, which one warp works through
+    alone, or the page IDs of a tile that gathers several pages, a dependent step that four warps
+    take once for a larger tile. Fewer, larger splits also write fewer partials, which the merge
+    pass reads back split by split for each query row. A 16-bit tile inside a page or of fewer
+    than MANY_SPLITS_MIN_BLOCK_N tokens keeps one warp (four measured no faster there); not on
+    one-token pages nor D > TWO_TILE_MAX_HEAD_DIM, as ``_two_tile_programs``."""
+    if (config.num_warps != 1 or config.num_kv_splits < MANY_SPLITS
+            or shape.block_d > TWO_TILE_MAX_HEAD_DIM or shape.page_size == 1):
+        return config
+    gathers = shape.page_size % config.block_n != 0 and config.block_n >= MANY_SPLITS_MIN_BLOCK_N
+    if shape.kv_dtype.itemsize > 1 and not gathers:
         return config
     block_n = TWO_TILE_ELEMENTS // shape.block_d
     if shape.max_visible_tiles(config.block_n) > config.num_kv_splits or block_n <= config.block_n:
