@@ -31,7 +31,7 @@ SHAPE_FIELDS = {"batch_size": "batch_size", "max_kv_len": "kv_len", "num_qo_head
                 "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "page_size": "page_size",
                 "kv_dtype": "kv_dtype", "window_left": "window_left", "mask_kind": "mask_type"}
 CONFIG_FIELDS = ("block_n", "block_m", "num_kv_splits", "num_warps", "num_stages")
-KEEP_WITHIN = 1.6  # rows slower than this x their shape's fastest are dropped
+KEEP_WITHIN = 1.5  # rows slower than this x their shape's fastest are dropped
 
 
 def sweep_rows(path: str, src: str) -> list[dict]:

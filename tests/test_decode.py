@@ -106,6 +106,15 @@ CASES = {
                                                     page_size=16, lens=(1, 64, 120),
                                                     config=KC(block_n=128, block_m=16, num_kv_splits=1, num_warps=8,
                                                               num_stages=1)),
+    # four-warp programs that split a chain into one 64-token tile each, no pipeline (few programs
+    # leaving SMs idle): D=256 over 64-token pages, D=128 over 24-token pages; one-split one-warp
+    # 16-token programs over 8-token pages (short requests past half a wave)
+    "d256-bn64-chain-split": Case(head_dim=256, num_qo_heads=30, num_kv_heads=2, page_size=64, lens=(1, 65, 173),
+                                  config=KC(block_n=64, block_m=16, num_kv_splits=3, num_warps=4, num_stages=1)),
+    "d128-bn64-chain-split": Case(head_dim=128, num_qo_heads=24, num_kv_heads=2, page_size=24, lens=(2, 64, 267),
+                                  config=KC(block_n=64, block_m=16, num_kv_splits=5, num_warps=4, num_stages=1)),
+    "d128-page8-bn16-one-split": Case(head_dim=128, num_qo_heads=12, num_kv_heads=4, page_size=8, lens=(1, 17, 179),
+                                      config=KC(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=5)),
     # fixed SQ > 1, masks, windows
     "fixed-sq2-dense": Case(mode="fixed", seq_len_q=2, lens=(2, 40)),
     "fixed-sq4-causal": Case(mode="fixed", seq_len_q=4, mask_type="causal", lens=(4, 37, 70), lengths="run"),

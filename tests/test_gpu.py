@@ -162,6 +162,30 @@ def test_eight_warp_whole_request_programs(q_dtype, kv_dtype, head_dim, block_n,
     run_and_check(case)
 
 
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(BF16, BF16), (FP16, FP16), (BF16, FP8)])
+@pytest.mark.parametrize("head_dim,p", [(128, 64), (128, 24), (256, 48), (256, 16)])
+def test_chains_split_into_one_64_token_tile_a_program(q_dtype, kv_dtype, head_dim, p):
+    """The model's four-warp programs of one 64-token tile each, no pipeline, where few programs
+    split their chain (every cache dtype): lengths of one token, across pages and tiles, up to the
+    last split's tile."""
+    case = Case(lens=(1, 63, 65, 173, 300), num_qo_heads=30, num_kv_heads=2, head_dim=head_dim, page_size=p,
+                dtype=q_dtype, kv_dtype=kv_dtype, seed=head_dim + p,
+                config=KernelConfig(block_n=64, block_m=16, num_kv_splits=5, num_warps=4, num_stages=1))
+    run_and_check(case)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("p", [3, 8, 24])
+def test_one_split_16_token_lean_programs_across_pages(dtype, p):
+    """The model's one-split one-warp programs of 16-token tiles (short requests past half a wave)
+    on pages that such tiles cross, 16-bit caches: lengths of one token, across pages and tiles."""
+    for hq, hkv in ((12, 4), (128, 16)):
+        case = Case(lens=(1, 15, 17, 179, 238), num_qo_heads=hq, num_kv_heads=hkv, head_dim=128, page_size=p,
+                    dtype=dtype, kv_dtype=dtype, seed=p + hq,
+                    config=KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1, num_stages=5))
+        run_and_check(case)
+
+
 def test_million_token_request():
     """K/V length 2**20 (1,048,576 tokens) in one request, split across many programs."""
     case = Case(lens=(1 << 20, 3), num_qo_heads=8, num_kv_heads=1, head_dim=64, page_size=256, extra_cols=0)
@@ -481,7 +505,8 @@ def test_plans_share_compiled_kernels(monkeypatch):
     torch.cuda.synchronize()
     assert not dispatched
     check(step, out, reference(step, inp))
-    other = dataclasses.replace(step, config=dataclasses.replace(config, num_kv_splits=5))
+    # a config no other test compiles (a worker of pytest-xdist may have compiled a common one)
+    other = dataclasses.replace(step, config=dataclasses.replace(config, num_kv_splits=5, num_stages=4))
     plan_wrapper(other, inp)
     assert warmups == [decode._split_kv_kernel, decode._merge_kernel]
     per_run = dataclasses.replace(step, lengths="run")

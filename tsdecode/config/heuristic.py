@@ -48,11 +48,13 @@ without splitting a request's work more than that needs. The model, in four step
    larger one that fills whole waves (up to WIDE_MAX_WAVES), one tile a program for ragged
    lengths (whose programs end apart) or one split, where a wave holds its programs (of a 16-bit
    cache on pages of more than one token) or they fill more than two waves, whichever takes least
-   time.
+   time. Last, lean programs of about equal lengths take the fewest splits that leave the same
+   chains of tiles (``_even_chains``).
 4. Programs against SMs (``programs.fit_programs_to_sms``): the tile, warps and stages of the
-   programs once their count is known: smaller lean tiles where they keep one wave, four warps
-   where one-warp programs are left two tiles each or no more than the SMs (the latter one tile a
-   program where a tile held in registers makes it one, eight warps for a tile twice the size),
+   programs once their count is known: smaller lean tiles where they keep one wave or, for short
+   requests, half of one, four warps where one-warp programs are left two tiles each or no more
+   than the SMs (the latter one tile a program where a tile held in registers makes it one, eight
+   warps for a tile twice the size, or one 64-token tile a program where they leave many SMs idle),
    four warps and one larger tile a program where programs of many query rows leave each warp
    scheduler one warp or none or where one-tile programs of an fp8 cache or gathering pages run
    many splits, the fewest stages for a program of one tile, and no pipeline for four-warp fp8
@@ -272,6 +274,24 @@ def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
 
 def num_kv_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) -> int:
     """Step 3: the split count (before ``select.scale_splits_to_raggedness``)."""
+    splits = _wave_splits(shape, occ, device)
+    return _even_chains(shape, occ.config.block_n, splits) if occ.family == "lean" else splits
+
+
+def _even_chains(shape: ProblemShape, block_n: int, splits: int) -> int:
+    """The fewest splits that leave the longest request's programs the chain of tiles ``splits``
+    leaves them (and the mean request's, where lengths differ a little): the same critical path
+    in fewer programs, with fewer partial outputs to merge. Ragged lengths keep ``splits``."""
+    longest = shape.max_visible_tiles(block_n)
+    if splits >= longest or shape.kv_len_spread >= RAGGED_SPREAD:
+        return splits
+    mean = math.ceil(longest / max(1.0, shape.kv_len_spread))
+    fewer = -(-longest // -(-longest // splits))
+    return fewer if -(-mean // fewer) == -(-mean // splits) else splits
+
+
+def _wave_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) -> int:
+    """The one wave rule's count (step 3 in the module docstring)."""
     sms = device.sm_count
     base, resident = occ.base_programs, occ.resident
     tiles = shape.max_visible_tiles(occ.config.block_n)

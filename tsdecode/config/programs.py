@@ -2,10 +2,12 @@
 once their split count is known, against the SMs that run them.
 
 - Lean programs of one split and equal lengths that spill past one wave take smaller tiles (or
-  fewer stages) where those keep them in one wave (``_fit_one_wave``).
+  fewer stages) where those keep them in one wave (``_fit_one_wave``); those of short requests
+  that fill more than half a wave take smaller tiles where those fill no more than half of theirs
+  (``_half_wave_tiles``).
 - One-warp programs left two tiles each take four warps and one larger tile (``_two_tile_programs``).
 - One-warp programs no more than the SMs take four warps, and one tile a program where a tile
-  held in registers makes it one (``_spread_warps``).
+  held in registers makes it one, or where they leave many SMs idle (``_spread_warps``).
 - One-warp programs of many query rows that leave each warp scheduler one warp or none take four
   warps and one larger tile a program: fp8 caches, and 16-bit ones at D = 128 whose programs run
   one tile already (``_programs_short_of_warps``); so do one-warp programs of one page-gathering
@@ -30,6 +32,11 @@ SCHEDULERS_PER_SM = REGISTER_SUB_PARTITIONS
 # the stages of such a tile that fits it only with fewer buffers.
 LEAN_FIT_TOKENS = 16
 LEAN_FIT_STAGES = 3
+# Requests of at most this many tokens whose one-split 16-bit lean programs of HALF_WAVE_STAGES
+# stages (two tiles in flight) fill more than half a wave take LEAN_FIT_TOKENS-token tiles where
+# those programs fill no more than half of theirs.
+HALF_WAVE_MAX_TOKENS = 512
+HALF_WAVE_STAGES = 5
 # The stages of a one-warp program of one tile: the fewest buffers where the tile lies inside a
 # page, no pipeline where it gathers several.
 ONE_TILE_STAGES_INSIDE_PAGES = 2
@@ -65,13 +72,19 @@ SIXTEEN_BIT_ONE_TILE_HEAD_DIM = 128
 # holds at least MANY_SPLITS_MIN_BLOCK_N tokens.
 MANY_SPLITS = 64
 MANY_SPLITS_MIN_BLOCK_N = 32
+# Four-warp programs left a chain of tiles that no register-held tile removes, where they cover at
+# most FEW_PROGRAMS_SHARE of the SMs (the fill under which a wave costs as much as one that full,
+# heuristic.WAVE_SATURATION), split into one SPREAD_TILE_TOKENS-token tile a program: 16 of a
+# tile's tokens for each of the four warps.
+FEW_PROGRAMS_SHARE = 0.6
+SPREAD_TILE_TOKENS = 64
 
 
 def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
                         device: DeviceProperties) -> KernelConfig:
     """Step 4 for ``config`` of ``family`` ("lean", "wide" or "short"), its split count chosen."""
     if family == "lean" and config.num_kv_splits == 1:
-        config = _fit_one_wave(config, shape, device)
+        config = _half_wave_tiles(_fit_one_wave(config, shape, device), shape, device)
     config = _spread_warps(_two_tile_programs(config, shape), shape, device)
     config = _many_one_tile_splits(_programs_short_of_warps(config, shape, device), shape)
     return _direct_fp8_loads(_one_tile_stages(config, shape), shape)
@@ -96,6 +109,24 @@ def _fit_one_wave(config: KernelConfig, shape: ProblemShape, device: DevicePrope
     else:  # the tile is already the smallest: fewer buffers of it
         smaller = dataclasses.replace(config, num_stages=min(config.num_stages, LEAN_FIT_STAGES))
     return smaller if one_wave(smaller) else config
+
+
+def _half_wave_tiles(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """Short requests (at most HALF_WAVE_MAX_TOKENS) of equal lengths whose one-split 16-bit
+    programs of HALF_WAVE_STAGES stages fill more than half the SMs' room for them, but no more
+    than half the room for LEAN_FIT_TOKENS-token tiles, take those tiles: their SMs then hold at
+    most half the programs that fit, which measured faster where each program runs a chain of a
+    few tiles (a program of fewer stages, one tile in flight, loses more by the smaller tile)."""
+    if (config.block_n <= LEAN_FIT_TOKENS or config.num_stages != HALF_WAVE_STAGES
+            or shape.kv_dtype.itemsize == 1 or shape.kv_len_spread >= RAGGED_SPREAD
+            or shape.max_visible_tiles(1) > HALF_WAVE_MAX_TOKENS):
+        return config
+    smaller = dataclasses.replace(config, block_n=LEAN_FIT_TOKENS)
+
+    def room(candidate: KernelConfig) -> int:  # the programs one wave holds
+        return resident_programs_per_sm(candidate, shape, device, one_split=True) * device.sm_count
+    programs = shape.programs(config.block_m)
+    return smaller if room(config) < 2 * programs <= room(smaller) else config
 
 
 def _two_tile_programs(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
@@ -127,18 +158,20 @@ def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DevicePrope
     one load. Four warps hold REGISTER_BOUND_TILE_ELEMENTS; a tile of up to twice that takes twice
     the warps, loaded straight to registers (one stage), since staging a tile that large through
     shared memory costs more than it saves. A program of one tile has nothing to prefetch: two
-    stages, the fewest buffers."""
+    stages, the fewest buffers. Where no such tile holds a request and the programs leave more
+    than 1 - FEW_PROGRAMS_SHARE of the SMs idle, the chain splits instead, into one
+    SPREAD_TILE_TOKENS-token tile a program: the idle SMs take the extra programs."""
     if config.num_warps != 1 or shape.programs(config.block_m) * config.num_kv_splits > device.sm_count:
         return config
     config = dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM)
     whole = next((block_n for block_n in BLOCK_N_CHOICES
                   if shape.max_visible_tiles(block_n) <= config.num_kv_splits), None)
-    if whole is None:
-        return config
+    if whole is None or max(whole, config.block_n) * shape.block_d > 2 * REGISTER_BOUND_TILE_ELEMENTS:
+        if shape.programs(config.block_m) * config.num_kv_splits > FEW_PROGRAMS_SHARE * device.sm_count:
+            return config
+        return _one_tile_a_program(config, shape, SPREAD_TILE_TOKENS)
     block_n = max(whole, config.block_n)
     elements = block_n * shape.block_d
-    if elements > 2 * REGISTER_BOUND_TILE_ELEMENTS:
-        return config
     config = dataclasses.replace(config, block_n=block_n, num_kv_splits=shape.max_visible_tiles(block_n))
     if elements > REGISTER_BOUND_TILE_ELEMENTS:
         return dataclasses.replace(config, num_warps=2 * SCHEDULERS_PER_SM, num_stages=1)
