@@ -1,5 +1,5 @@
 """Add a ``sweep_configs.py`` CSV, or the trials CSV of a ``tsdecode-tune --grid-file`` run, to the
-H200 timings the config model's regression guard reads (``tests/data/h200_timings.csv.gz``), under
+H200 timings the config model's regression guard reads (``tests/data/h200_timings.csv.xz``), under
 a source letter: one row per (shape, config), the full-length re-timing where the sweep made one
 (a tune's: the median of its interleaved re-timing rounds), else the short one. Rows of a (source,
 shape, config) the file has already are kept as they are; times are kept to four significant digits
@@ -20,18 +20,21 @@ import argparse
 import csv
 import gzip
 import io
+import lzma
 import math
 import re
 import statistics
 import sys
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "h200_timings.csv.gz"
+DATA = Path(__file__).resolve().parent.parent / "tests" / "data" / "h200_timings.csv.xz"
 SHAPE_FIELDS = {"batch_size": "batch_size", "max_kv_len": "kv_len", "num_qo_heads": "num_qo_heads",
                 "num_kv_heads": "num_kv_heads", "head_dim": "head_dim", "page_size": "page_size",
                 "kv_dtype": "kv_dtype", "window_left": "window_left", "mask_kind": "mask_type"}
 CONFIG_FIELDS = ("block_n", "block_m", "num_kv_splits", "num_warps", "num_stages")
 KEEP_WITHIN = 1.5  # rows slower than this x their shape's fastest are dropped
+# xz at its strongest setting: the file is rewritten a few times a session and read by every test run.
+XZ_PRESET = 9 | lzma.PRESET_EXTREME
 
 
 def sweep_rows(path: str, src: str) -> list[dict]:
@@ -106,7 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--src", required=True, help="the source letter of the new rows")
     ap.add_argument("csv", nargs="+")
     args = ap.parse_args(argv)
-    with gzip.open(DATA, "rt") as f:
+    with lzma.open(DATA, "rt") as f:
         lines = f.read().splitlines(keepends=True)
     comments = [line for line in lines if line.startswith("#")]
     rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
@@ -124,7 +127,7 @@ def main(argv=None) -> int:
     writer = csv.DictWriter(out, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
     writer.writerows(dict(r, time_us=time_text(r["time_us"])) for r in kept)
-    DATA.write_bytes(gzip.compress(out.getvalue().encode(), mtime=0))  # the same rows, the same bytes
+    DATA.write_bytes(lzma.compress(out.getvalue().encode(), preset=XZ_PRESET))  # the same rows, the same bytes
     print(f"{len(new)} rows of {len({r['shape'] for r in new})} shapes added to {DATA} as source {args.src}; "
           f"{len(rows) + len(new) - len(kept)} rows slower than {KEEP_WITHIN:g}x their shape's fastest dropped")
     return 0

@@ -1,6 +1,6 @@
 """The config model's picks scored against the committed H200 timings, with no GPU.
 
-Per source of ``tests/data/h200_timings.csv.gz``: how many of the model's picks were measured,
+Per source of ``tests/data/h200_timings.csv.xz``: how many of the model's picks were measured,
 their geometric mean against each shape's best measured time, and the share within 5% and 10%
 (what ``tests/test_heuristic.py`` pins). A pick counts as measured where a measured config has its
 tile, warps and stages, a split count within SPLITS_TOLERANCE and as many waves of programs.
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import gzip
+import lzma
 import json
 import math
 import os
@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / "tests" / "data" / "h200_timings.csv.gz"
+DATA = ROOT / "tests" / "data" / "h200_timings.csv.xz"
 CONFIG_FIELDS = ("block_n", "block_m", "num_kv_splits", "num_warps", "num_stages")
 # The sweeps measured split counts about a factor 1.26 apart.
 SPLITS_TOLERANCE = 1.26
@@ -53,7 +53,7 @@ def load_timings(path: Path = DATA) -> dict:
 
     from tsdecode.config.space import ProblemShape
 
-    with gzip.open(path, "rt") as f:
+    with lzma.open(path, "rt") as f:
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
     groups: dict = {}
     for r in rows:

@@ -6,7 +6,7 @@ span ~0.25 to ~48 programs per SM, compiled in parallel first (one process per C
 planning the configs, which compiles them), then timed with the anchors' CUDA-graph method (short
 replays); the best few and the plan's own pick (tuned table or model) are re-timed at full length,
 two rounds interleaved. Writes one CSV row per timing, with ``spread`` (longest / mean drawn
-length) as ``tests/data/h200_timings.csv.gz`` records it. ``--tiles`` and ``--splits`` narrow the
+length) as ``tests/data/h200_timings.csv.xz`` records it. ``--tiles`` and ``--splits`` narrow the
 sweep to given tiles (block_n/num_warps/num_stages) and split counts, e.g. one tile's split counts
 around a model's pick. ``--configs CSV`` times exactly the (shape, config) rows of a CSV instead
 (``model_scores.py --untimed`` writes one: the picks the committed timings lack), each shape's

@@ -5,14 +5,14 @@ steps on worked examples, and a regression guard against H200 timings that needs
 The guard (``test_model_picks_stay_as_fast_as_today_on_the_h200_timings``) replaces re-tuning
 on a GPU after a heuristic change: it looks each pick up among measured configs and pins today's
 scores. A change that picks configs nobody measured fails its minimum count: measure them on an
-H200 (``scripts/sweep_configs.py --only``) and add the rows to ``tests/data/h200_timings.csv.gz``
+H200 (``scripts/sweep_configs.py --only``) and add the rows to ``tests/data/h200_timings.csv.xz``
 (``scripts/add_timings.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
+import lzma
 import importlib.util
 import logging
 import math
@@ -23,17 +23,18 @@ import pytest
 import torch
 
 from tsdecode import validation as V
-from tsdecode.config import heuristic as H
+from tsdecode.config import family as F
 from tsdecode.config import partials as P
 from tsdecode.config import programs as PR
 from tsdecode.config import residency
+from tsdecode.config import splits as S
 from tsdecode.config.heuristic import heuristic_config, num_kv_splits, occupancy, tile_family
 from tsdecode.config.select import scale_splits_to_batch, scale_splits_to_raggedness
 from tsdecode.config.residency import resident_programs_per_sm, split_kernel_resources
 from tsdecode.config.space import BLOCK_N_CHOICES, MAX_NUM_KV_SPLITS, KernelConfig, ProblemShape, fit_config
 from tsdecode.device import CPU_NAME, DeviceProperties
 
-DATA = Path(__file__).resolve().parent / "data" / "h200_timings.csv.gz"
+DATA = Path(__file__).resolve().parent / "data" / "h200_timings.csv.xz"
 
 
 def _script(name: str):
@@ -145,8 +146,8 @@ def test_tile_families(device):
             lean = shape.rows_per_kv_head <= 32
         if not lean:
             assert family in ("wide", "short"), shape
-            assert family == "wide" or config.block_n == H.SHORT_BLOCK_N, shape
-        elif tokens > H.SHORT_MAX_TOKENS:
+            assert family == "wide" or config.block_n == F.SHORT_BLOCK_N, shape
+        elif tokens > F.SHORT_MAX_TOKENS:
             assert family == "lean", shape
         elements = config.block_n * shape.block_d
         programs = shape.batch_size * shape.num_kv_heads * -(-shape.rows_per_kv_head // config.block_m)
@@ -204,7 +205,7 @@ def test_tile_families(device):
                 # three stages where only those fit one-split programs of equal lengths in one wave
                 assert config.num_stages == (few or 5) or (
                     config.num_stages == PR.LEAN_FIT_STAGES and config.num_kv_splits == 1
-                    and shape.kv_len_spread < H.RAGGED_SPREAD), shape
+                    and shape.kv_len_spread < S.RAGGED_SPREAD), shape
         elif family == "wide":
             # an fp8 tile of 8K elements or more loads straight to registers (one stage), the largest
             # tile only for chains of at most three tiles; from 4K elements, one tile a program that
@@ -217,28 +218,28 @@ def test_tile_families(device):
             # ~16 KiB of K/V a tile, at most 64 tokens at D <= 128, or a doubled tile where the
             # programs that fit keep more bytes in flight, until they keep the target
             base = min(64 if shape.block_d <= 128 else 128,
-                       max(16, H.WIDE_TILE_BYTES // (shape.block_d * shape.kv_dtype.itemsize)))
-            cap = H.WIDE_MAX_TILE_ELEMENTS
+                       max(16, F.WIDE_TILE_BYTES // (shape.block_d * shape.kv_dtype.itemsize)))
+            cap = F.WIDE_MAX_TILE_ELEMENTS
             mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
             n = cap // shape.block_d  # the cap's tile, and twice it: the tokens each pads the mean to
             padding = math.ceil(mean_tokens / (2 * n)) * 2 * n - math.ceil(mean_tokens / n) * n
-            if (shape.rows_per_kv_head >= H.LARGE_WIDE_TILE_MIN_ROWS
-                    and padding <= H.LARGE_WIDE_TILE_MAX_PADDING * mean_tokens):
+            if (shape.rows_per_kv_head >= F.LARGE_WIDE_TILE_MIN_ROWS
+                    and padding <= F.LARGE_WIDE_TILE_MAX_PADDING * mean_tokens):
                 cap *= 2
             assert config.block_n == base or (config.block_n > base and config.block_n * shape.block_d <= cap), shape
             if config.block_n > base:  # the family's tile doubled at its two stages
                 staged = dataclasses.replace(config, num_stages=2)
                 half = dataclasses.replace(staged, block_n=config.block_n // 2)
-                assert residency.loads_in_flight(half, shape, device) < H.IN_FLIGHT_BYTES_PER_SM, shape
+                assert residency.loads_in_flight(half, shape, device) < F.IN_FLIGHT_BYTES_PER_SM, shape
                 assert residency.loads_in_flight(half, shape, device) < residency.loads_in_flight(staged, shape, device), shape
         else:
-            assert tokens <= H.SHORT_MAX_TOKENS and config.num_warps == 4
+            assert tokens <= F.SHORT_MAX_TOKENS and config.num_warps == 4
             assert config.num_kv_splits == shape.max_visible_tiles(config.block_n)
             # a whole request's tile only where it holds no more than the wide family's elements
-            assert config.block_n in (H.SHORT_BLOCK_N, H.SHORT_WHOLE_BLOCK_N), shape
-            if config.block_n == H.SHORT_WHOLE_BLOCK_N:
-                assert lean and tokens <= H.SHORT_WHOLE_BLOCK_N, shape
-                assert H.SHORT_WHOLE_BLOCK_N * shape.block_d <= H.WIDE_MAX_TILE_ELEMENTS, shape
+            assert config.block_n in (F.SHORT_BLOCK_N, F.SHORT_WHOLE_BLOCK_N), shape
+            if config.block_n == F.SHORT_WHOLE_BLOCK_N:
+                assert lean and tokens <= F.SHORT_WHOLE_BLOCK_N, shape
+                assert F.SHORT_WHOLE_BLOCK_N * shape.block_d <= F.WIDE_MAX_TILE_ELEMENTS, shape
         assert config.block_m == min(64, max(16, 1 << (shape.rows_per_kv_head - 1).bit_length()))
 
 
@@ -259,25 +260,25 @@ def test_splits_never_spill_into_a_second_wave_outside_the_long_rule_and_the_men
         if splits == 1 or base * splits <= occ.resident * sms:
             continue
         if occ.family == "wide" and (splits in _whole_wave_counts(occ, sms)
-                                     or shape.kv_len_spread >= H.RAGGED_SPREAD
+                                     or shape.kv_len_spread >= S.RAGGED_SPREAD
                                      and splits == shape.max_visible_tiles(config.block_n)):
             continue  # test_wide_programs_fill_whole_waves, test_ragged_wide_programs_may_take_one_tile_each
         if (config.num_warps == 4 and config.block_n == PR.SPREAD_TILE_TOKENS
                 and base <= PR.FEW_PROGRAMS_SHARE * sms and splits == shape.max_visible_tiles(config.block_n)):
             continue  # test_programs_leaving_many_sms_idle_split_their_chain
         past_one_wave += 1
-        divisor, min_tokens = H.long_split_limits(shape, occ.config)
+        divisor, min_tokens = S.long_split_limits(shape, occ.config)
         long_rule = base >= occ.target * sms / divisor
         fitting = max(1, occ.resident * sms // base)
-        sparse = base * fitting < H.WAVE_SATURATION * occ.resident * sms
+        sparse = base * fitting < S.WAVE_SATURATION * occ.resident * sms
         mended = base > occ.resident_one_split * sms or sparse
         assert long_rule or mended, (shape, config, occ)
         mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
         if mended:
-            assert splits <= H.MAX_MEND_SPLITS, (shape, config, occ)
+            assert splits <= S.MAX_MEND_SPLITS, (shape, config, occ)
         else:
             assert splits * min_tokens <= mean_tokens, (shape, config, occ)
-            assert base * (splits - 1) < H.FULL_WAVES * occ.resident * sms, (shape, config, occ)
+            assert base * (splits - 1) < S.FULL_WAVES * occ.resident * sms, (shape, config, occ)
     assert past_one_wave > 0  # the sweep reaches both rules
 
 
@@ -312,7 +313,7 @@ def test_lean_splits_reach_the_target_in_one_wave():
     shape = make_shape(1, 32768)
     occ = occupancy(shape, H200)
     assert (occ.family, occ.base_programs, occ.resident, occ.target) == ("lean", 8, 12, 8.0)
-    assert H._wave_splits(shape, occ, H200) == 132 and -(-2048 // 132) == 16 == 2048 // 128
+    assert S._wave_splits(shape, occ, H200) == 132 and -(-2048 // 132) == 16 == 2048 // 128
     config = heuristic_config(shape, H200)
     assert config == KernelConfig(block_n=16, block_m=16, num_kv_splits=128, num_warps=1, num_stages=3)
     # 5+ rows: two tiles in flight (5 stages) and half the programs
@@ -367,14 +368,14 @@ def test_wide_heads_inside_pages_take_lean_tiles_and_fp8_fills_the_schedulers():
     fp8 = make_shape(8, 8192, head_dim=256, kv_dtype=FP8)
     occ = occupancy(fp8, H200)
     assert (occ.family, occ.resident, occ.target, occ.bytes_target) == ("lean", 8, 8, 4)
-    assert [H._time(fp8, occ, s, 132) / 1024 for s in (8, 16)] == [2240, 2272]
-    assert all(H._time(fp8, occ, s, 132) > H._time(fp8, occ, 8, 132) for s in range(9, 17))
+    assert [S._time(fp8, occ, s, 132) / 1024 for s in (8, 16)] == [2240, 2272]
+    assert all(S._time(fp8, occ, s, 132) > S._time(fp8, occ, 8, 132) for s in range(9, 17))
     assert heuristic_config(fp8, H200).num_kv_splits == 8
     # D=128 fp8 already reaches 8 by its bytes (4 KiB K+V tiles, two in flight): unchanged
     assert occupancy(make_shape(8, 8192, kv_dtype=FP8), H200).target == 8
     # a crossing fp8 tile (one in flight, half the residents) keeps the byte count
     crossing = occupancy(make_shape(8, 8192, kv_dtype=FP8, page_size=3), H200)
-    assert crossing.config.block_n == 32 and crossing.target < H.FP8_MIN_WARPS_PER_SM == crossing.issue_target
+    assert crossing.config.block_n == 32 and crossing.target < F.FP8_MIN_WARPS_PER_SM == crossing.issue_target
 
 
 def test_fp8_splits_stop_where_their_partials_cost_more_than_they_add():
@@ -388,17 +389,17 @@ def test_fp8_splits_stop_where_their_partials_cost_more_than_they_add():
     assert (occ.base_programs, occ.target, fp8.max_visible_tiles(16)) == (24, 8, 61)
     assert math.floor(8 * 132 / 24 + 0.5) == 44
     assert P.partials_bound(fp8, 44) == math.ceil(math.sqrt(2 * 973 * 128 * 44 / (8 * 8 * 128 * 4))) == 19
-    assert H._wave_splits(fp8, occ, H200) == 19 and heuristic_config(fp8, H200).num_kv_splits == 16
+    assert S._wave_splits(fp8, occ, H200) == 19 and heuristic_config(fp8, H200).num_kv_splits == 16
     bf16 = make_shape(3, 973, num_qo_heads=64)
     assert P.partials_bound(bf16, 22) == 22
     occ = occupancy(bf16, H200)
-    assert H._wave_splits(bf16, occ, H200) == math.floor(occ.target * 132 / 24 + 0.5)
+    assert S._wave_splits(bf16, occ, H200) == math.floor(occ.target * 132 / 24 + 0.5)
     # tiles that cross pages (page 8 < 16 tokens) keep the target's count, capped by what fits
     # (step 3; step 4 then gives those programs of two tiles four warps and one 64-token tile)
     crossing = make_shape(3, 973, num_qo_heads=64, kv_dtype=FP8, page_size=8)
     occ = occupancy(crossing, H200)
     wanted = math.floor(occ.target * 132 / 24 + 0.5)
-    assert P.partials_bound(crossing, wanted) < wanted == H._wave_splits(crossing, occ, H200)
+    assert P.partials_bound(crossing, wanted) < wanted == S._wave_splits(crossing, occ, H200)
     # a request too short to reach the target (more splits asked than tiles) keeps every tile a split
     # (step 3; step 4 then gives these 64 one-tile programs four warps and one 64-token tile each)
     short = make_shape(1, 1024, kv_dtype=FP8)  # 8 programs ask 132 splits of 64 tiles
@@ -436,7 +437,7 @@ def test_fp8_one_wave_splits_stay_within_the_partials_bound(device):
             continue
         splits = num_kv_splits(shape, occ, device)
         tiles = shape.max_visible_tiles(occ.config.block_n)
-        divisor, _ = H.long_split_limits(shape, occ.config)
+        divisor, _ = S.long_split_limits(shape, occ.config)
         long_rule = occ.base_programs >= occ.target * sms / divisor
         if wanted <= tiles and not long_rule and splits > 1:
             assert splits <= P.partials_bound(shape, wanted), shape
@@ -458,16 +459,16 @@ def test_page_crossing_fp8_tiles_keep_the_schedulers_issuing_where_partials_allo
     occ = occupancy(shape, H200)
     assert (occ.config.block_n, occ.base_programs, occ.resident, occ.target, occ.issue_target) == (32, 18, 8, 4, 8)
     assert math.floor(8 * 132 / 18 + 0.5) == 59 and P.partials_bound(shape, 59) == 84
-    assert H._wave_splits(shape, occ, H200) == 8 * 132 // 18 == 58
+    assert S._wave_splits(shape, occ, H200) == 8 * 132 // 18 == 58
     few = make_shape(2, 3089, num_qo_heads=60, num_kv_heads=4, page_size=2, kv_dtype=FP8)
     occ = occupancy(few, H200)
     assert (occ.base_programs, occ.target, occ.issue_target, few.max_visible_tiles(32)) == (8, 4, 8, 97)
-    assert P.partials_bound(few, 132) == 42 and H._wave_splits(few, occ, H200) == math.floor(4 * 132 / 8 + 0.5) == 66
+    assert P.partials_bound(few, 132) == 42 and S._wave_splits(few, occ, H200) == math.floor(4 * 132 / 8 + 0.5) == 66
     wide_rows = make_shape(2, 6204, num_qo_heads=104, head_dim=64, page_size=24, kv_dtype=FP8)
     occ = occupancy(wide_rows, H200)
     assert (occ.base_programs, occ.target, occ.issue_target, wide_rows.max_visible_tiles(32)) == (16, 6, 8, 194)
     assert P.partials_bound(wide_rows, 66) == 45 < math.floor(6 * 132 / 16 + 0.5) == 50
-    assert H._wave_splits(wide_rows, occ, H200) == 50
+    assert S._wave_splits(wide_rows, occ, H200) == 50
     # 16-bit caches and fp8 tiles inside pages: the schedulers' count is the target's
     for other in (dataclasses.replace(shape, kv_dtype=torch.bfloat16), dataclasses.replace(shape, page_size=16)):
         occ = occupancy(other, H200)
@@ -486,12 +487,12 @@ def test_fp8_one_warp_programs_keep_the_busiest_scheduler_at_the_issue_target():
     fp8 = make_shape(15, 2010, num_qo_heads=64, page_size=48, kv_dtype=FP8)
     occ = occupancy(fp8, H200)
     assert (occ.family, occ.config.block_n, occ.base_programs, occ.target, occ.resident) == ("lean", 16, 120, 8, 12)
-    assert math.floor(8 * 132 / 120 + 0.5) == 9 and 2 * 16 <= H.SCHEDULER_GAIN * 3 * 14
+    assert math.floor(8 * 132 / 120 + 0.5) == 9 and 2 * 16 <= S.SCHEDULER_GAIN * 3 * 14
     assert heuristic_config(fp8, H200).num_kv_splits == 8
     few = make_shape(47, 1167, num_qo_heads=16, page_size=32, kv_dtype=FP8)
     occ = occupancy(few, H200)
     assert (occ.base_programs, occ.target, few.max_visible_tiles(16)) == (376, 8, 73)
-    assert 2 * 37 > H.SCHEDULER_GAIN * 3 * 25
+    assert 2 * 37 > S.SCHEDULER_GAIN * 3 * 25
     assert heuristic_config(few, H200).num_kv_splits == 3
     assert heuristic_config(dataclasses.replace(fp8, kv_len_spread=1.2), H200).num_kv_splits > 8
     bf16 = make_shape(14, 2010, num_qo_heads=64, page_size=48)
@@ -511,11 +512,11 @@ def test_a_split_pays_its_merge_pass():
     shape = make_shape(26, 135, num_qo_heads=64, num_kv_heads=16, head_dim=64, page_size=1)
     occ = occupancy(shape, H200)
     assert (occ.base_programs, occ.target, occ.tiles_in_flight, shape.max_visible_tiles(32)) == (416, 5.5, 1, 5)
-    assert [H._time(shape, occ, s, 132) / 1024 for s in (1, 2)] == [320, 192 + 128 + 13 * 16 + 7 + 6.5]
+    assert [S._time(shape, occ, s, 132) / 1024 for s in (1, 2)] == [320, 192 + 128 + 13 * 16 + 7 + 6.5]
     assert heuristic_config(shape, H200).num_kv_splits == 1
     longer = dataclasses.replace(shape, max_kv_len=1350)
     occ = occupancy(longer, H200)
-    assert [H._time(longer, occ, s, 132) / 1024 for s in (1, 2)] == [2752, 1757.5]
+    assert [S._time(longer, occ, s, 132) / 1024 for s in (1, 2)] == [2752, 1757.5]
     assert heuristic_config(longer, H200).num_kv_splits == 2
     # many query rows make a long merge pass: B=60, G=15, D=64, page 16, 310 tokens. Two splits
     # halve the chain of 20 16-token tiles (640 -> 320 KiB), but the busiest SM merges 55 of the
@@ -523,12 +524,12 @@ def test_a_split_pays_its_merge_pass():
     many_rows = make_shape(60, 310, num_qo_heads=120, head_dim=64)
     occ = occupancy(many_rows, H200)
     assert (occ.base_programs, many_rows.max_visible_tiles(occ.config.block_n)) == (480, 20)
-    assert H._time(many_rows, occ, 1, 132) / 1024 == 640 and heuristic_config(many_rows, H200).num_kv_splits == 1
-    assert H._time(many_rows, occ, 2, 132) - 55 * P.MERGE_ROW_BYTES < H._time(many_rows, occ, 1, 132)
+    assert S._time(many_rows, occ, 1, 132) / 1024 == 640 and heuristic_config(many_rows, H200).num_kv_splits == 1
+    assert S._time(many_rows, occ, 2, 132) - 55 * P.MERGE_ROW_BYTES < S._time(many_rows, occ, 1, 132)
     # four-warp programs keep their count: B=10, G=4, D=256, fp8 (wide 64-token tiles), 2 splits
     wide = make_shape(10, 126, num_qo_heads=32, head_dim=256, page_size=24, kv_dtype=FP8)
     occ = occupancy(wide, H200)
-    assert occ.family == "wide" and H._time(wide, occ, 1, 132) <= H._time(wide, occ, 2, 132)
+    assert occ.family == "wide" and S._time(wide, occ, 1, 132) <= S._time(wide, occ, 2, 132)
     assert heuristic_config(wide, H200).num_kv_splits == 2
     # on every swept shape of one-warp programs without the long-request rule, a count above one
     # is worth its merge pass (four-warp programs overlap their tiles' loads across warps: their
@@ -536,11 +537,11 @@ def test_a_split_pays_its_merge_pass():
     checked = 0
     for shape in SWEEP:
         occ = occupancy(shape, H200)
-        if occ.config.num_warps > 1 or occ.base_programs >= occ.target * 132 / H.long_split_limits(shape, occ.config)[0]:
+        if occ.config.num_warps > 1 or occ.base_programs >= occ.target * 132 / S.long_split_limits(shape, occ.config)[0]:
             continue
         splits = num_kv_splits(shape, occ, H200)
         if splits > 1:
-            assert H._time(shape, occ, 1, 132) > H._time(shape, occ, splits, 132), shape
+            assert S._time(shape, occ, 1, 132) > S._time(shape, occ, splits, 132), shape
             checked += 1
     assert checked > 100
 
@@ -556,7 +557,7 @@ def test_fp8_counts_above_the_bytes_target_take_the_least_time():
     shape = make_shape(5, 5484, num_qo_heads=48, head_dim=256, kv_dtype=FP8)
     occ = occupancy(shape, H200)
     assert (occ.base_programs, occ.bytes_target, occ.target) == (40, 4, 8)
-    times = {s: H._time(shape, occ, s, 132) / 1024 for s in (13, 26)}
+    times = {s: S._time(shape, occ, s, 132) / 1024 for s in (13, 26)}
     merge = 128 + 2 * 16  # the merge pass's start and the busiest SM's 2 of 5 x 48 query rows
     assert times == {13: 27 * 4 * 8 + merge + (4 * 6 * 256 + 4 * 13 * 128) * 4 / 1024,
                      26: 14 * 8 * 8 + merge + (8 * 6 * 256 + 4 * 26 * 128) * 4 / 1024}
@@ -569,13 +570,13 @@ def test_fp8_counts_above_the_bytes_target_take_the_least_time():
     checked = 0
     for shape in SWEEP:
         occ = occupancy(shape, H200)
-        if occ.target <= occ.bytes_target or occ.base_programs >= occ.target * 132 / H.long_split_limits(shape, occ.config)[0]:
+        if occ.target <= occ.bytes_target or occ.base_programs >= occ.target * 132 / S.long_split_limits(shape, occ.config)[0]:
             continue
         splits = num_kv_splits(shape, occ, H200)
         fewest = max(1, math.floor(occ.bytes_target * 132 / occ.base_programs + 0.5))
         wanted = max(1, math.floor(occ.target * 132 / occ.base_programs + 0.5))
         if splits > 1:
-            assert all(H._time(shape, occ, splits, 132) <= H._time(shape, occ, s, 132)
+            assert all(S._time(shape, occ, splits, 132) <= S._time(shape, occ, s, 132)
                        for s in range(fewest, splits + 1)), shape
             checked += fewest <= splits < min(wanted, shape.max_visible_tiles(occ.config.block_n))
     assert checked > 5
@@ -594,7 +595,7 @@ def test_short_problems_take_a_whole_request_tile_within_the_wide_tiles_elements
     for spread in (1.0, 1.26):
         d256 = make_shape(15, 128, num_qo_heads=3, num_kv_heads=1, head_dim=256, page_size=64,
                           kv_len_spread=spread)
-        assert H.SHORT_WHOLE_BLOCK_N * 256 > H.WIDE_MAX_TILE_ELEMENTS
+        assert F.SHORT_WHOLE_BLOCK_N * 256 > F.WIDE_MAX_TILE_ELEMENTS
         assert occupancy(d256, H200).family == "short"
         assert heuristic_config(d256, H200) == KernelConfig(block_n=32, block_m=16, num_kv_splits=4,
                                                             num_warps=4, num_stages=2)
@@ -636,12 +637,12 @@ def test_wide_tiles_double_until_the_programs_that_fit_keep_the_loads_in_flight(
     assert tile_family(one_token, H200)[0].block_n == 64
     assert tile_family(dataclasses.replace(one_token, page_size=2), H200)[0].block_n == 32
     fp8 = dataclasses.replace(one_token, kv_dtype=FP8, page_size=24)
-    assert fp8.rows_per_kv_head == 6 >= H.LARGE_WIDE_TILE_MIN_ROWS
-    assert residency.loads_in_flight(dataclasses.replace(wide, block_n=64), fp8, H200) < H.IN_FLIGHT_BYTES_PER_SM
+    assert fp8.rows_per_kv_head == 6 >= F.LARGE_WIDE_TILE_MIN_ROWS
+    assert residency.loads_in_flight(dataclasses.replace(wide, block_n=64), fp8, H200) < F.IN_FLIGHT_BYTES_PER_SM
     assert residency.loads_in_flight(dataclasses.replace(wide, block_n=128), fp8, H200) == 2 * 32 * 1024
-    assert tile_family(fp8, H200)[0].block_n == 128 and 64 * 256 == H.WIDE_MAX_TILE_ELEMENTS
+    assert tile_family(fp8, H200)[0].block_n == 128 and 64 * 256 == F.WIDE_MAX_TILE_ELEMENTS
     four_rows = dataclasses.replace(fp8, num_qo_heads=64)
-    assert four_rows.rows_per_kv_head == 4 < H.LARGE_WIDE_TILE_MIN_ROWS
+    assert four_rows.rows_per_kv_head == 4 < F.LARGE_WIDE_TILE_MIN_ROWS
     assert tile_family(four_rows, H200)[0].block_n == 64
     # requests the larger tile pads by more keep it: 158 tokens fill 256 of 128-token tiles and
     # 192 of 64-token ones (64 more, 40% of 158); 669, 768 against 704 (64 more, 9.6%); a ragged
@@ -659,11 +660,11 @@ def test_wide_tiles_double_until_the_programs_that_fit_keep_the_loads_in_flight(
     assert (config.block_m, config.block_n) == (64, 32)
     assert not residency.fits_an_sm(dataclasses.replace(config, block_n=64), packed, H200)
     # without the cap the 4-row tile doubles too
-    monkeypatch.setattr(H, "WIDE_MAX_TILE_ELEMENTS", 128 * 256)
+    monkeypatch.setattr(F, "WIDE_MAX_TILE_ELEMENTS", 128 * 256)
     assert tile_family(four_rows, H200)[0].block_n == 128
 
 
-def _whole_wave_counts(occ, sms, max_waves=H.WIDE_MAX_WAVES) -> list[int]:
+def _whole_wave_counts(occ, sms, max_waves=S.WIDE_MAX_WAVES) -> list[int]:
     return [waves * occ.resident * sms // occ.base_programs for waves in range(1, max_waves + 1)]
 
 
@@ -683,12 +684,12 @@ def test_ragged_wide_programs_overlap_their_waves(monkeypatch):
     assert (occ.config.block_n, occ.tiles_in_flight, shape.max_visible_tiles(64)) == (64, 0.5, 45)
     assert 5 in _whole_wave_counts(occ, 132)
     merge = 128 + 7 * 16 + (11 * 3 + 7 * 5) * 256 * 4 / 1024  # start, 7 rows of 34 x 24, partials (KiB)
-    five = 1360 / 264 * (45 / 1.28 / 5 + H.PROGRAM_EDGES_TILES) * 128 + H.RAGGED_TAIL * 9 * 128 + merge
-    assert H._time(shape, occ, 1, 132) / 1024 == 45 * 128
-    assert H._time(shape, occ, 5, 132) / 1024 == pytest.approx(five)
+    five = 1360 / 264 * (45 / 1.28 / 5 + S.PROGRAM_EDGES_TILES) * 128 + S.RAGGED_TAIL * 9 * 128 + merge
+    assert S._time(shape, occ, 1, 132) / 1024 == 45 * 128
+    assert S._time(shape, occ, 5, 132) / 1024 == pytest.approx(five)
     assert heuristic_config(shape, H200).num_kv_splits == 5
     # Counted as waves that end together, one split's single wave would win.
-    monkeypatch.setattr(H, "RAGGED_SPREAD", 1.3)
+    monkeypatch.setattr(S, "RAGGED_SPREAD", 1.3)
     assert heuristic_config(shape, H200).num_kv_splits == 1
 
 
@@ -702,9 +703,9 @@ def test_ragged_lean_programs_overlap_their_waves(monkeypatch):
                        kv_len_spread=1.33)
     occ = occupancy(shape, H200)
     assert (occ.family, occ.config.num_warps, occ.base_programs, occ.resident_one_split) == ("lean", 1, 1456, 11)
-    assert H._time(shape, occ, 1, 132) < min(H._time(shape, occ, splits, 132) for splits in (2, 3, 4))
+    assert S._time(shape, occ, 1, 132) < min(S._time(shape, occ, splits, 132) for splits in (2, 3, 4))
     assert heuristic_config(shape, H200).num_kv_splits == 1
-    monkeypatch.setattr(H, "RAGGED_SPREAD", 1.4)
+    monkeypatch.setattr(S, "RAGGED_SPREAD", 1.4)
     assert heuristic_config(shape, H200).num_kv_splits == 4
 
 
@@ -761,7 +762,7 @@ def test_programs_leaving_many_sms_idle_split_their_chain():
     D = 256 (124 programs, 94% of the SMs) keeps its chain at four warps."""
     few = make_shape(20, 173, num_qo_heads=30, num_kv_heads=2, head_dim=256, page_size=64)
     occ = occupancy(few, H200)
-    assert (occ.family, occ.base_programs, occ.config.block_n, H._wave_splits(few, occ, H200)) == ("lean", 40, 16, 1)
+    assert (occ.family, occ.base_programs, occ.config.block_n, S._wave_splits(few, occ, H200)) == ("lean", 40, 16, 1)
     assert few.max_visible_tiles(256) == 1 and 256 * 256 > 2 * PR.REGISTER_BOUND_TILE_ELEMENTS
     one_tile = KernelConfig(block_n=64, block_m=16, num_kv_splits=3, num_warps=4, num_stages=1)
     assert heuristic_config(few, H200) == one_tile
@@ -781,7 +782,7 @@ def test_short_requests_past_half_a_wave_take_16_token_tiles_that_fill_at_most_h
     requests past HALF_WAVE_MAX_TOKENS (538 tokens), ragged lengths, nor an fp8 cache."""
     shape = make_shape(29, 238, num_qo_heads=128, num_kv_heads=16, head_dim=128, page_size=24)
     occ = occupancy(shape, H200)
-    wave_splits = H._wave_splits(shape, occ, H200)
+    wave_splits = S._wave_splits(shape, occ, H200)
     assert (occ.family, occ.base_programs, occ.config.block_n, wave_splits) == ("lean", 464, 32, 1)
     smaller = dataclasses.replace(occ.config, block_n=16)
     assert (resident_programs_per_sm(occ.config, shape, H200, one_split=True),
@@ -807,17 +808,17 @@ def test_even_chains():
     program or more."""
     fp8 = make_shape(2, 2171, num_qo_heads=16, num_kv_heads=4, head_dim=128, page_size=4, kv_dtype=FP8)
     occ = occupancy(fp8, H200)
-    assert (occ.config.block_n, fp8.max_visible_tiles(32), H._wave_splits(fp8, occ, H200)) == (32, 68, 67)
-    assert num_kv_splits(fp8, occ, H200) == 34 == H._even_chains(fp8, 32, 67)
+    assert (occ.config.block_n, fp8.max_visible_tiles(32), S._wave_splits(fp8, occ, H200)) == (32, 68, 67)
+    assert num_kv_splits(fp8, occ, H200) == 34 == S._even_chains(fp8, 32, 67)
     bf16 = make_shape(4, 2149, num_qo_heads=30, num_kv_heads=2, head_dim=128, page_size=16)
     occ = occupancy(bf16, H200)
-    assert (occ.config.block_n, bf16.max_visible_tiles(16), H._wave_splits(bf16, occ, H200)) == (16, 135, 66)
+    assert (occ.config.block_n, bf16.max_visible_tiles(16), S._wave_splits(bf16, occ, H200)) == (16, 135, 66)
     assert num_kv_splits(bf16, occ, H200) == 45
     apart = make_shape(2, 837, num_qo_heads=16, num_kv_heads=8, head_dim=128, page_size=3, kv_len_spread=1.088)
-    assert apart.max_visible_tiles(32) == 27 and H._even_chains(apart, 32, 25) == 25
-    assert H._even_chains(dataclasses.replace(apart, kv_len_spread=1.0), 32, 25) == 14
-    assert H._even_chains(dataclasses.replace(fp8, kv_len_spread=1.3), 32, 67) == 67
-    assert H._even_chains(fp8, 32, 68) == 68 and H._even_chains(fp8, 32, 1) == 1
+    assert apart.max_visible_tiles(32) == 27 and S._even_chains(apart, 32, 25) == 25
+    assert S._even_chains(dataclasses.replace(apart, kv_len_spread=1.0), 32, 25) == 14
+    assert S._even_chains(dataclasses.replace(fp8, kv_len_spread=1.3), 32, 67) == 67
+    assert S._even_chains(fp8, 32, 68) == 68 and S._even_chains(fp8, 32, 1) == 1
 
 
 def test_one_warp_programs_of_one_gathering_tile_at_many_splits_take_four_warps():
@@ -881,7 +882,7 @@ def test_one_warp_programs_of_two_tiles_take_four_warps_and_one_tile():
     tiles."""
     shape = make_shape(2, 3089, num_qo_heads=60, num_kv_heads=4, page_size=2, kv_dtype=FP8)
     occ = occupancy(shape, H200)
-    assert (occ.family, occ.config.block_n, H._wave_splits(shape, occ, H200)) == ("lean", 32, 66)
+    assert (occ.family, occ.config.block_n, S._wave_splits(shape, occ, H200)) == ("lean", 32, 66)
     assert num_kv_splits(shape, occ, H200) == 49  # evened: two tiles a program either way
     assert heuristic_config(shape, H200) == KernelConfig(block_n=64, block_m=16, num_kv_splits=49, num_warps=4,
                                                          num_stages=1)
@@ -905,7 +906,7 @@ def test_programs_short_of_warps_take_four_warps_and_one_tile_each():
     one tile a program would take more splits than the one-warp programs had."""
     shape = make_shape(2, 1155, num_qo_heads=120, num_kv_heads=8, page_size=32, kv_dtype=FP8)
     occ = occupancy(shape, H200)
-    wave_splits = H._wave_splits(shape, occ, H200)
+    wave_splits = S._wave_splits(shape, occ, H200)
     assert (occ.family, occ.config.block_n, occ.base_programs, wave_splits) == ("lean", 16, 16, 18)
     assert num_kv_splits(shape, occ, H200) == 15  # evened: chains of up to 5 of the 73 tiles either way
     assert heuristic_config(shape, H200) == KernelConfig(block_n=128, block_m=16, num_kv_splits=10, num_warps=4,
@@ -943,7 +944,7 @@ def test_ragged_wide_programs_may_take_one_tile_each():
                        kv_len_spread=1.372)
     occ = occupancy(shape, H200)
     assert (occ.family, occ.base_programs, occ.resident, shape.max_visible_tiles(128)) == ("wide", 8, 2, 38)
-    assert H._time(shape, occ, 38, 132) < H._time(shape, occ, 33, 132)
+    assert S._time(shape, occ, 38, 132) < S._time(shape, occ, 33, 132)
     assert heuristic_config(shape, H200).num_kv_splits == 38
     assert heuristic_config(dataclasses.replace(shape, kv_len_spread=1.0), H200).num_kv_splits == 33
 
@@ -1016,7 +1017,7 @@ def test_wide_programs_fill_whole_waves(monkeypatch):
     assert (occ.family, occ.base_programs, occ.resident, shape.max_visible_tiles(32)) == ("wide", 160, 4, 178)
     assert _whole_wave_counts(occ, 132)[:5] == [3, 6, 9, 13, 16]
     merge = 128 + 15 * 16  # the merge pass's start and the busiest SM's 15 of 20 x 96 query rows
-    times = {s: H._time(shape, occ, s, 132) / 1024 for s in (3, 13)}
+    times = {s: S._time(shape, occ, s, 132) / 1024 for s in (3, 13)}
     assert times == {3: 60 * 128 + merge + 4 * 12 + 15 * 3, 13: 4 * 14 * 128 + merge + 16 * 12 + 15 * 13}
     assert heuristic_config(shape, H200).num_kv_splits == 13
     before = {}
@@ -1024,7 +1025,7 @@ def test_wide_programs_fill_whole_waves(monkeypatch):
         occ = occupancy(shape, H200)
         if occ.family == "wide":
             before[shape] = num_kv_splits(shape, occ, H200)
-    monkeypatch.setattr(H, "WIDE_MAX_WAVES", 0)
+    monkeypatch.setattr(S, "WIDE_MAX_WAVES", 0)
     assert heuristic_config(make_shape(20, 5687, num_qo_heads=96, head_dim=256, page_size=2), H200).num_kv_splits == 3
     # on every swept shape of wide tiles the count fills whole waves where it grew, and takes no
     # more time than the count the rest of the model gives
@@ -1033,7 +1034,7 @@ def test_wide_programs_fill_whole_waves(monkeypatch):
         occ = occupancy(shape, H200)
         rest = num_kv_splits(shape, occ, H200)
         assert splits == rest or splits in _whole_wave_counts(occ, 132), shape
-        assert H._time(shape, occ, splits, 132) <= H._time(shape, occ, rest, 132), shape
+        assert S._time(shape, occ, splits, 132) <= S._time(shape, occ, rest, 132), shape
         grown += splits > rest
     assert 10 < grown < len(before)
 
@@ -1050,20 +1051,20 @@ def test_wide_programs_of_short_requests_take_one_split_where_one_wave_holds_the
     shape = make_shape(39, 115, num_qo_heads=72, head_dim=256, page_size=2)
     occ = occupancy(shape, H200)
     assert (occ.family, occ.config.block_n, occ.base_programs, occ.resident_one_split) == ("wide", 32, 312, 4)
-    times = {s: H._time(shape, occ, s, 132) / 1024 for s in (1, 2, 3)}
+    times = {s: S._time(shape, occ, s, 132) / 1024 for s in (1, 2, 3)}
     assert times[1] == 4 * 128 and times[1] < min(times[2], times[3])
     assert heuristic_config(shape, H200) == KernelConfig(block_n=32, block_m=16, num_kv_splits=1, num_warps=4,
                                                          num_stages=2)
     large = make_shape(139, 1162, num_qo_heads=16, num_kv_heads=1, head_dim=256, page_size=2, kv_dtype=FP8)
     occ = occupancy(large, H200)
     assert (occ.config.block_n, occ.base_programs, occ.resident_one_split) == (128, 139, 2)
-    assert H._time(large, occ, 1, 132) < H._time(large, occ, 5, 132)
+    assert S._time(large, occ, 1, 132) < S._time(large, occ, 5, 132)
     assert heuristic_config(large, H200).num_kv_splits == 5
     paged_by_token = make_shape(60, 147, num_qo_heads=13, num_kv_heads=1, head_dim=256, page_size=1,
                                 kv_len_spread=1.31)
     occ = occupancy(paged_by_token, H200)
     assert (occ.family, occ.config.block_n, occ.base_programs) == ("wide", 64, 60)
-    assert H._time(paged_by_token, occ, 1, 132) < H._time(paged_by_token, occ, 3, 132)
+    assert S._time(paged_by_token, occ, 1, 132) < S._time(paged_by_token, occ, 3, 132)
     assert heuristic_config(paged_by_token, H200).num_kv_splits == 3
     long = make_shape(20, 5687, num_qo_heads=96, head_dim=256, page_size=2)
     assert heuristic_config(long, H200).num_kv_splits == 13
@@ -1081,8 +1082,8 @@ def test_wide_programs_past_two_waves_are_offered_one_split():
     occ = occupancy(shape, H200)
     assert (occ.family, occ.config.block_n, occ.base_programs, occ.resident_one_split, occ.resident) == (
         "wide", 64, 1240, 3, 2)
-    assert H._fullest_waves(1240, occ, shape.max_visible_tiles(64), 132) == 2
-    assert H._time(shape, occ, 1, 132) < H._time(shape, occ, 2, 132)
+    assert S._fullest_waves(1240, occ, shape.max_visible_tiles(64), 132) == 2
+    assert S._time(shape, occ, 1, 132) < S._time(shape, occ, 2, 132)
     assert heuristic_config(shape, H200).num_kv_splits == 1
     few_waves = make_shape(225, 237, num_qo_heads=4, num_kv_heads=2, head_dim=256, page_size=2, kv_dtype=FP8)
     occ = occupancy(few_waves, H200)
@@ -1103,17 +1104,17 @@ def test_merge_bound_one_warp_counts_take_the_least_time():
     occ = occupancy(shape, H200)
     assert (occ.family, occ.config.block_n, occ.base_programs, occ.target) == ("lean", 16, 1, 8)
     assert P.merge_read_bytes(shape, 1024, 132) == 1024 * 32 * 4
-    assert H._merge_bound(shape, occ, 1024, 132)
+    assert S._merge_bound(shape, occ, 1024, 132)
     base = 128 + 16  # the merge pass's start and its one query row on the busiest SM
-    times = {s: H._time(shape, occ, s, 132) / 1024 for s in (625, 1024)}
+    times = {s: S._time(shape, occ, s, 132) / 1024 for s in (625, 1024)}
     assert times == {625: 96 + base + 5 * 8 * 64 * 4 / 1024 + 625 * 32 * 4 / 1024,
                      1024: 64 + base + 8 * 8 * 64 * 4 / 1024 + 1024 * 32 * 4 / 1024}
     assert heuristic_config(shape, H200).num_kv_splits == 625
     heads = make_shape(1, 29990, num_qo_heads=64, num_kv_heads=8, head_dim=64)
     occ = occupancy(heads, H200)
     splits = math.floor(occ.target * 132 / occ.base_programs + 0.5)
-    assert not H._merge_bound(heads, occ, splits, 132)
-    assert H._wave_splits(heads, occ, H200) == splits == 132
+    assert not S._merge_bound(heads, occ, splits, 132)
+    assert S._wave_splits(heads, occ, H200) == splits == 132
     assert heuristic_config(heads, H200).num_kv_splits == 125  # evened: chains of up to 15 tiles either way
 
 
@@ -1123,7 +1124,7 @@ def test_long_requests_split_into_about_four_waves():
     wave would be under WAVE_SATURATION full (7 splits: 4.53 waves, the last 53% full; 6: 3.88
     waves, 88%); at 2048 tokens the token floor allows 2, whose last wave (1.29 waves, 29% full)
     is barely used, so one split stays."""
-    assert math.ceil(H.FULL_WAVES * 12 * 132 / 1024) == 7
+    assert math.ceil(S.FULL_WAVES * 12 * 132 / 1024) == 7
     long = heuristic_config(make_shape(128, 65536), H200)
     assert long.num_kv_splits == 6
     assert heuristic_config(make_shape(128, 2048, kv_dtype=FP8), H200).num_kv_splits == 1
@@ -1140,7 +1141,7 @@ def test_ragged_long_requests_split_from_a_quarter_of_the_target():
     88% full."""
     equal, ragged = make_shape(64, 16384), make_shape(64, 16384, kv_len_spread=1.32)
     lean = occupancy(equal, H200).config
-    assert H.long_split_limits(equal, lean) == (2, 1024) and H.long_split_limits(ragged, lean) == (4, 256)
+    assert S.long_split_limits(equal, lean) == (2, 1024) and S.long_split_limits(ragged, lean) == (4, 256)
     assert occupancy(ragged, H200).base_programs == 512
     assert heuristic_config(equal, H200).num_kv_splits == 2
     assert heuristic_config(ragged, H200).num_kv_splits == 12
@@ -1158,17 +1159,17 @@ def test_fp8_one_warp_long_requests_split_from_an_eighth_of_the_target():
     fp8 = make_shape(75, 7505, num_qo_heads=20, num_kv_heads=4, head_dim=64, kv_dtype=FP8)
     occ = occupancy(fp8, H200)
     assert (occ.config.num_warps, occ.base_programs, occ.target, occ.resident) == (1, 300, 8, 16)
-    assert H.long_split_limits(fp8, occ.config) == (8, 1024)
+    assert S.long_split_limits(fp8, occ.config) == (8, 1024)
     assert heuristic_config(fp8, H200).num_kv_splits == 7
     one_token = dataclasses.replace(fp8, page_size=1)
-    assert H.long_split_limits(one_token, occupancy(one_token, H200).config) == (2, 1024)
-    assert heuristic_config(one_token, H200).num_kv_splits == 3 and 2 * 79 <= H.SCHEDULER_GAIN * 3 * 59
+    assert S.long_split_limits(one_token, occupancy(one_token, H200).config) == (2, 1024)
+    assert heuristic_config(one_token, H200).num_kv_splits == 3 and 2 * 79 <= S.SCHEDULER_GAIN * 3 * 59
     bf16 = dataclasses.replace(fp8, kv_dtype=torch.bfloat16)
-    assert H.long_split_limits(bf16, occupancy(bf16, H200).config) == (2, 1024)
+    assert S.long_split_limits(bf16, occupancy(bf16, H200).config) == (2, 1024)
     assert heuristic_config(bf16, H200).num_kv_splits == 4
     # four-warp programs keep the half too
     wide = KernelConfig(block_n=64, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
-    assert H.long_split_limits(fp8, wide) == (2, 1024)
+    assert S.long_split_limits(fp8, wide) == (2, 1024)
 
 
 def test_one_split_programs_past_a_wave_take_the_fullest_waves():
@@ -1180,16 +1181,16 @@ def test_one_split_programs_past_a_wave_take_the_fullest_waves():
     assert (occ.base_programs, occ.resident_one_split) == (2048, 12)
     assert heuristic_config(shape, H200).num_kv_splits == 2
     full = make_shape(int(132 * 12 * 1.8 / 8), 1024)
-    assert occupancy(full, H200).base_programs / (12 * 132) > 1 + H.WAVE_SATURATION
+    assert occupancy(full, H200).base_programs / (12 * 132) > 1 + S.WAVE_SATURATION
     assert heuristic_config(full, H200).num_kv_splits == 1
     for shape in SWEEP:  # the same on every swept shape the mend applies to
         occ = occupancy(shape, H200)
         per_wave = occ.resident_one_split * H200.sm_count
         waves = occ.base_programs / per_wave
-        min_tokens = H.long_split_limits(shape, occ.config)[1]
-        long_splits = min(math.ceil(H.FULL_WAVES * occ.resident * 132 / occ.base_programs),
+        min_tokens = S.long_split_limits(shape, occ.config)[1]
+        long_splits = min(math.ceil(S.FULL_WAVES * occ.resident * 132 / occ.base_programs),
                           int(shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread) // min_tokens))
-        if occ.family != "short" and waves > 1 and waves % 1 >= H.WAVE_SATURATION and long_splits <= 1:
+        if occ.family != "short" and waves > 1 and waves % 1 >= S.WAVE_SATURATION and long_splits <= 1:
             splits = num_kv_splits(shape, occ, H200)  # wide tiles may fill whole waves instead
             assert splits == 1 or (occ.family == "wide" and splits in _whole_wave_counts(occ, 132)), shape
 
@@ -1201,12 +1202,12 @@ def test_a_wave_the_one_wave_count_barely_fills_takes_the_fullest_waves(monkeypa
     1 split 0.6 / 0.53 = 1.14, 2 splits (1.05 waves) 1.6 / 1.05 x 1.03 = 1.57, 3 splits (1.58
     waves) 1.6 / 1.58 x 1.06 = 1.07: 3. Wide tiles then fill whole waves where that takes less
     time: 5 splits, three waves 88% full."""
-    monkeypatch.setattr(H, "LARGE_WIDE_TILE_MIN_ROWS", 17)  # keep the 64-token tile of 16 rows
+    monkeypatch.setattr(F, "LARGE_WIDE_TILE_MIN_ROWS", 17)  # keep the 64-token tile of 16 rows
     shape = make_shape(139, 1162, num_qo_heads=16, num_kv_heads=1, head_dim=256, page_size=2, kv_dtype=FP8)
     occ = occupancy(shape, H200)
     assert (occ.family, occ.config.block_n, occ.base_programs, occ.resident, occ.target) == ("wide", 64, 139, 2, 2)
     assert heuristic_config(shape, H200).num_kv_splits == 5
-    monkeypatch.setattr(H, "WIDE_MAX_WAVES", 0)  # the mend alone
+    monkeypatch.setattr(S, "WIDE_MAX_WAVES", 0)  # the mend alone
     assert heuristic_config(shape, H200).num_kv_splits == 3
     # 300 requests fill 300 / 264: one split past a wave, the mend as before (1.14 waves)
     assert heuristic_config(dataclasses.replace(shape, batch_size=300), H200).num_kv_splits > 1
@@ -1222,10 +1223,10 @@ def test_a_last_wave_that_holds_the_target_costs_its_programs():
     shape = make_shape(115, 243, num_qo_heads=48, head_dim=256)
     occ = occupancy(shape, H200)
     assert (occ.family, occ.base_programs, occ.resident_one_split, occ.target) == ("lean", 920, 5, 2.0)
-    assert H._saturation(occ, 1) == 0.4 and H._saturation(occ, 2) == 0.4
+    assert S._saturation(occ, 1) == 0.4 and S._saturation(occ, 2) == 0.4
     assert heuristic_config(shape, H200).num_kv_splits == 1
     # a target at 60% of the residents or more keeps WAVE_SATURATION
-    assert H._saturation(occupancy(make_shape(256, 1024), H200), 1) == H.WAVE_SATURATION
+    assert S._saturation(occupancy(make_shape(256, 1024), H200), 1) == S.WAVE_SATURATION
 
 
 def test_ragged_lengths_scale_the_splits():
@@ -1269,7 +1270,7 @@ def test_less_shared_memory_fits_fewer_programs_and_the_model_adapts():
     assert resident_programs_per_sm(lean, shape, L40S) == 102400 // (12292 + 1024) == 7
     config = heuristic_config(shape, L40S)
     assert (config.block_n, config.num_warps, config.num_stages) == (16, 1, 3)
-    assert H._wave_splits(shape, occupancy(shape, L40S), L40S) == 124 == math.floor(7 * 142 / 8 + 0.5)
+    assert S._wave_splits(shape, occupancy(shape, L40S), L40S) == 124 == math.floor(7 * 142 / 8 + 0.5)
     assert config.num_kv_splits == 121  # evened: chains of up to 17 of the 2048 tiles either way
     assert 8 * config.num_kv_splits <= 7 * 142
     # long batches: fewer splits than on the H200 (4 waves of 7 x 142 = 994 programs)
@@ -1553,7 +1554,7 @@ def test_timings_file_is_small_and_complete():
     groups = load_timings()
     assert {src for src, _ in groups} == set(CURRENT)
     assert len(groups) >= 200 and sum(len(t) for _, t in groups.values()) > 5000
-    with gzip.open(DATA, "rt") as f:
+    with lzma.open(DATA, "rt") as f:
         assert f.readline().startswith("# NVIDIA H200 decode timings")
 
 
@@ -1589,14 +1590,14 @@ def test_add_timings_reads_a_tunes_trials(tmp_path):
 def test_add_timings_keeps_four_digits_and_drops_configs_far_slower_than_the_fastest(tmp_path, monkeypatch):
     """scripts/add_timings.py's write: times to four significant digits (old rows too), a (source,
     shape)'s configs slower than KEEP_WITHIN x its fastest dropped, the comments kept, and the same
-    rows give the same bytes (no time stamp in the gzip header)."""
+    rows give the same bytes."""
     tool = _script("add_timings")
-    data = tmp_path / "timings.csv.gz"
+    data = tmp_path / "timings.csv.xz"
     fields = "src,shape,batch_size,max_kv_len,num_qo_heads,num_kv_heads,head_dim,page_size,kv_dtype,window_left," \
              "mask_kind,spread,block_n,block_m,num_kv_splits,num_warps,num_stages,time_us"
     shape = "S,B2_L100_H8x8_D64_P16_bfloat16,2,100,8,8,64,16,bfloat16,-1,dense,1"
     old = "\n".join(["# timings", fields, f"{shape},16,16,1,1,5,12.34567", f"{shape},16,16,2,1,5,40.0"]) + "\n"
-    data.write_bytes(gzip.compress(old.encode(), mtime=0))
+    data.write_bytes(lzma.compress(old.encode()))
     sweep = tmp_path / "sweep.csv"
     columns = "shape,batch_size,kv_len,num_qo_heads,num_kv_heads,head_dim,page_size,kv_dtype,window_left," \
               "mask_type,spread,kind,block_n,block_m,num_kv_splits,num_warps,num_stages,time_us"
@@ -1604,7 +1605,7 @@ def test_add_timings_keeps_four_digits_and_drops_configs_far_slower_than_the_fas
     sweep.write_text("\n".join([columns, f"{row},short,32,16,1,1,5,12359.1", f"{row},final,32,16,2,1,5,8.8204"]) + "\n")
     monkeypatch.setattr(tool, "DATA", data)
     assert tool.main(["--src", "S", str(sweep)]) == 0
-    lines = gzip.decompress(data.read_bytes()).decode().splitlines()
+    lines = lzma.decompress(data.read_bytes()).decode().splitlines()
     assert lines[:2] == ["# timings", fields]
     times = {tuple(line.split(",")[12:17]): line.split(",")[-1] for line in lines[2:]}
     # 12.35 and 8.82 kept; 40 (4.5x the fastest) and 12360 dropped

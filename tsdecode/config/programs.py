@@ -74,7 +74,7 @@ MANY_SPLITS = 64
 MANY_SPLITS_MIN_BLOCK_N = 32
 # Four-warp programs left a chain of tiles that no register-held tile removes, where they cover at
 # most FEW_PROGRAMS_SHARE of the SMs (the fill under which a wave costs as much as one that full,
-# heuristic.WAVE_SATURATION), split into one SPREAD_TILE_TOKENS-token tile a program: 16 of a
+# splits.WAVE_SATURATION), split into one SPREAD_TILE_TOKENS-token tile a program: 16 of a
 # tile's tokens for each of the four warps.
 FEW_PROGRAMS_SHARE = 0.6
 SPREAD_TILE_TOKENS = 64

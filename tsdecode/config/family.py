@@ -1,0 +1,201 @@
+"""Steps 1 and 2 of the config model (``heuristic``): the tile family of a shape, what fits an
+SM of it, and how many programs an SM needs to keep its loads in flight.
+
+1. Tile family (``tile_family``):
+   - "lean": one-warp programs of small K/V tiles, for head dims up to 128 and up to 32 query
+     rows a KV head, and for larger head dims where 16-token tiles stay inside a page and 16 rows
+     hold a KV head's queries;
+   - "wide": four-warp programs of ~16 KiB tiles otherwise. The tile doubles (up to
+     WIDE_MAX_TILE_ELEMENTS, twice that where a program holds LARGE_WIDE_TILE_MIN_ROWS query rows
+     and the larger tile barely pads the mean request, while it fits an SM) as long as the
+     programs of it that fit an SM keep less than the loads in flight of step 2 and the doubled
+     tile's keep more (``_fill_loads_in_flight``);
+   - "short": four-warp programs of one short tile each where the whole problem has too few tiles
+     to occupy the GPU with the family's programs and one wave holds them (32-token tiles; a whole
+     request's where the family is lean and one tile of at most WIDE_MAX_TILE_ELEMENTS holds it).
+2. Residency and target (``occupancy``): the programs of the family that fit an SM (measured
+   registers and shared memory against this GPU's), the K/V bytes each keeps in flight (a
+   pipeline of S stages: S - 1 tiles loading, each about half the time), and the target programs
+   per SM:
+   - IN_FLIGHT_BYTES_PER_SM of loads in flight per SM;
+   - at least FP8_MIN_WARPS_PER_SM one-warp programs of an fp8 cache whose tiles stay inside
+     pages (their conversion keeps them issuing); page-crossing ones have that as a separate
+     issue target;
+   - at most the programs that fit (half of them when one-warp tiles cross pages: each token's
+     page ID is then a dependent load that no other warp of the program hides, and such a tile
+     counts as one in flight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from ..device import DeviceProperties
+from .residency import fits_an_sm, loads_in_flight, resident_programs_per_sm
+from .space import KernelConfig, ProblemShape, dot_block_m
+
+# Loads in flight per SM that keep its share of DRAM bandwidth busy (bandwidth x latency).
+IN_FLIGHT_BYTES_PER_SM = 64 * 1024
+# Lean tiles: 32 tokens of a 16-bit cache, 2 KiB of an fp8 one (whose conversion cost grows with
+# the tile) where that stays inside a page, else 32 tokens; 16 tokens of a 16-bit cache where
+# that keeps a tile inside one page and 32 would not.
+LEAN_TOKENS = 32
+LEAN_FP8_TILE_BYTES = 2048
+LEAN_MAX_HEAD_DIM = 128
+LEAN_MAX_ROWS = 32
+# Head dims above 128 take lean tiles too where 16-token tiles stay inside a page and one 16-row
+# block holds the query rows: a tile is then one page-ID load and a contiguous block, and a warp's
+# 16 x D accumulators still fit its registers; page-crossing tiles of such heads go wide.
+LEAN_WIDE_HEAD_TOKENS = 16
+LEAN_WIDE_HEAD_MAX_ROWS = 16
+# Below this many query rows a page-aligned 16-bit lean tile keeps one tile in flight (3 stages):
+# a second pays only where each tile carries more rows' math.
+LEAN_DEEP_MIN_ROWS = 5
+WIDE_TILE_BYTES = 16 * 1024
+# Four-warp programs are few an SM: where those that fit keep too few bytes loading, their tile
+# doubles, to at most this many K (and V) elements, which the program holds in registers in the
+# products' dtype (an fp8 D = 256 cache's 64-token tile already does).
+WIDE_MAX_TILE_ELEMENTS = 64 * 256
+# A tile of twice that (an fp8 D = 256 cache's 128-token tile) takes every register a thread may
+# hold; it still pays where a program holds at least this many query rows, whose per-tile work
+# (the scores' max and sum, the accumulator's rescaling) a tile twice as long halves ...
+LARGE_WIDE_TILE_MIN_ROWS = 5
+# ... unless it pads the mean request by more than this share of its tokens beyond what the
+# smaller tile pads: a short request's programs run a tile or two, and a half-empty last tile of
+# the register-bound size costs nearly a full one.
+LARGE_WIDE_TILE_MAX_PADDING = 1 / 16
+# A one-warp program of an fp8 cache converts every K/V element before its products, so its
+# warp is busy issuing rather than waiting on loads: an SM needs this many such warps (two per
+# scheduler) whatever bytes each keeps in flight.
+FP8_MIN_WARPS_PER_SM = 8
+# "short": at most this many visible tokens, and fewer lean tiles (SHORT_BLOCK_N-token ones where
+# the family is wide) in the whole problem than SHORT_TILES_PER_SM per SM. A program takes a whole
+# request in one SHORT_WHOLE_BLOCK_N-token tile where that holds it and stays within
+# WIDE_MAX_TILE_ELEMENTS (a four-warp program holds its tile in registers).
+SHORT_MAX_TOKENS = 512
+SHORT_TILES_PER_SM = 2
+SHORT_BLOCK_N = 32
+SHORT_WHOLE_BLOCK_N = 128
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """A tile family on one shape and GPU."""
+
+    config: KernelConfig  # num_kv_splits not chosen yet
+    family: str  # "lean", "wide" or "short"
+    base_programs: int  # programs of one split: B * Hkv * row blocks
+    resident_one_split: int  # programs per SM that fit at once, direct-output kernel
+    resident: int  # the same for the split kernel
+    target: float  # programs per SM that keep the loads in flight
+    tiles_in_flight: float  # K/V tiles a program keeps loading
+    bytes_target: float  # programs per SM whose loads alone keep IN_FLIGHT_BYTES_PER_SM in flight
+    issue_target: float  # programs per SM that keep the schedulers issuing (fp8 one-warp), else target
+
+
+def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelConfig, str]:
+    """Step 1: the family's tile, warps and stages (num_kv_splits left at 1)."""
+    block_m = dot_block_m(shape.rows_per_kv_head)
+    kv_bytes, block_d = shape.kv_dtype.itemsize, shape.block_d
+    page = shape.page_size
+    if block_d > LEAN_MAX_HEAD_DIM:
+        lean = shape.rows_per_kv_head <= LEAN_WIDE_HEAD_MAX_ROWS and page % LEAN_WIDE_HEAD_TOKENS == 0
+    else:
+        lean = shape.rows_per_kv_head <= LEAN_MAX_ROWS
+    if not lean:  # a larger one-tile program holds more registers than its one tile pays for
+        short = _short_config(shape, block_m, SHORT_BLOCK_N, SHORT_BLOCK_N, device)
+        if short is not None:
+            return short, "short"
+        block_n = min(64 if block_d <= LEAN_MAX_HEAD_DIM else 128,
+                      max(16, WIDE_TILE_BYTES // (block_d * kv_bytes)))
+        wide = KernelConfig(block_n=block_n, block_m=block_m, num_warps=4, num_stages=2)
+        return _fill_loads_in_flight(wide, shape, device), "wide"
+    if block_d > LEAN_MAX_HEAD_DIM:
+        block_n, stages = LEAN_WIDE_HEAD_TOKENS, 5
+    elif kv_bytes == 1:
+        block_n, stages = max(16, LEAN_FP8_TILE_BYTES // block_d), 5
+        if page % block_n:  # crossing pages: page-ID loads, not the conversion, set a tile's cost
+            block_n = LEAN_TOKENS
+    else:
+        block_n = 16 if page % 16 == 0 and page % LEAN_TOKENS else LEAN_TOKENS
+        aligned = page % block_n == 0
+        stages = 3 if aligned and shape.rows_per_kv_head < LEAN_DEEP_MIN_ROWS else 5
+    whole = (shape.max_visible_tiles(1) <= SHORT_WHOLE_BLOCK_N
+             and SHORT_WHOLE_BLOCK_N * block_d <= WIDE_MAX_TILE_ELEMENTS)
+    short_block_n = SHORT_WHOLE_BLOCK_N if whole else SHORT_BLOCK_N
+    short = _short_config(shape, block_m, block_n, short_block_n, device)
+    if short is not None:
+        return short, "short"
+    return KernelConfig(block_n=block_n, block_m=block_m, num_warps=1, num_stages=stages), "lean"
+
+
+def _short_config(shape: ProblemShape, block_m: int, block_n: int, short_block_n: int,
+                  device: DeviceProperties) -> KernelConfig | None:
+    """Four-warp programs of one ``short_block_n``-token tile each, where the problem has at most
+    SHORT_MAX_TOKENS visible tokens and fewer ``block_n``-token tiles than SHORT_TILES_PER_SM an
+    SM (too few to occupy the GPU with the family's programs) and they all fit one wave."""
+    base, sms = shape.programs(block_m), device.sm_count
+    if (shape.max_visible_tiles(1) > SHORT_MAX_TOKENS
+            or base * shape.max_visible_tiles(block_n) >= SHORT_TILES_PER_SM * sms):
+        return None
+    short = KernelConfig(block_n=short_block_n, block_m=block_m, num_warps=4, num_stages=2)
+    one_wave = resident_programs_per_sm(short, shape, device, one_split=False) * sms
+    return short if base * shape.max_visible_tiles(short_block_n) <= one_wave else None
+
+
+def _fill_loads_in_flight(config: KernelConfig, shape: ProblemShape,
+                          device: DeviceProperties) -> KernelConfig:
+    """A wide tile doubles, to at most WIDE_MAX_TILE_ELEMENTS (twice that for
+    LARGE_WIDE_TILE_MIN_ROWS query rows a KV head and a mean request that the larger tile pads by
+    at most LARGE_WIDE_TILE_MAX_PADDING more) and while the doubled tile fits an SM, as long as
+    the programs of it that fit an SM keep less than IN_FLIGHT_BYTES_PER_SM loading and the
+    doubled tile's programs keep more: four-warp programs are few an SM, so their tile, not their
+    count, sets the bytes in flight."""
+    max_elements = WIDE_MAX_TILE_ELEMENTS
+    if shape.rows_per_kv_head >= LARGE_WIDE_TILE_MIN_ROWS:
+        mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
+        tokens = max_elements // shape.block_d
+        padding = _padded(mean_tokens, 2 * tokens) - _padded(mean_tokens, tokens)
+        if padding <= LARGE_WIDE_TILE_MAX_PADDING * mean_tokens:
+            max_elements *= 2
+    while 2 * config.block_n * shape.block_d <= max_elements:
+        in_flight = loads_in_flight(config, shape, device)
+        larger = dataclasses.replace(config, block_n=2 * config.block_n)
+        if (in_flight >= IN_FLIGHT_BYTES_PER_SM or not fits_an_sm(larger, shape, device)
+                or loads_in_flight(larger, shape, device) <= in_flight):
+            break
+        config = larger
+    return config
+
+
+def _padded(tokens: float, block_n: int) -> int:
+    """The tokens of ``block_n``-token tiles that hold ``tokens``."""
+    return math.ceil(tokens / block_n) * block_n
+
+
+def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
+    """Steps 1 and 2: the family, what fits an SM, and the target programs per SM."""
+    config, family = tile_family(shape, device)
+    resident = resident_programs_per_sm(config, shape, device, one_split=False)
+    one_split = resident_programs_per_sm(config, shape, device, one_split=True)
+    aligned = shape.page_size % config.block_n == 0
+    hidden = aligned or config.num_warps > 1  # page-ID loads of crossing tiles: other warps cover them
+    # A pipeline of S stages keeps S - 1 tiles loading, each in flight about half the time the
+    # program spends on a tile; a crossing one-warp tile waits on its page IDs first: one.
+    tiles_in_flight = (config.num_stages - 1) / 2 if hidden else 1
+    tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize  # a K and a V tile
+    wanted = IN_FLIGHT_BYTES_PER_SM / (tiles_in_flight * tile_bytes)
+    fits = resident if hidden else resident / 2
+    bytes_target = max(1.0, min(wanted, fits))
+    fp8_one_warp = shape.kv_dtype.itemsize == 1 and config.num_warps == 1
+    if fp8_one_warp and hidden:
+        wanted = max(wanted, FP8_MIN_WARPS_PER_SM)  # conversion issue, not bytes, sets the count
+    target = max(1.0, min(wanted, fits))
+    issue_target = max(target, min(FP8_MIN_WARPS_PER_SM, resident)) if fp8_one_warp else target
+    return Occupancy(config, family, shape.programs(config.block_m), one_split, resident, target,
+                     tiles_in_flight, bytes_target, issue_target)
+
+
+__all__ = ["Occupancy", "tile_family", "occupancy", "IN_FLIGHT_BYTES_PER_SM"]
