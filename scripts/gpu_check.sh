@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU call: install carried wheels, then run the named steps in order; logs and CSVs go to
-# $OUT (the device tool's output folder) or ./gpu_out. Usage: scripts/gpu_check.sh [STEP ...]
+# One GPU session's checks: install any wheels in .whl/, then run the named steps in order; logs
+# and CSVs go to $OUT if set, else ./gpu_out. Usage: scripts/gpu_check.sh [STEP ...]
 # (default: tests bench). Steps and the variables they read:
 #   tests       the test suite (GPU tests included; 8 workers where pytest-xdist is installed)
 #   bench       bench_decode.py --suite llama

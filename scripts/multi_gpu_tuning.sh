@@ -10,8 +10,9 @@
 #   scripts/multi_gpu_tuning.sh all   OUT   scale, then hosts
 #
 # Environment: PRESETS (default "--preset llama3-8b --preset qwen2.5-7b"), TRIALS (48), SEED (0),
-# EXTRA (more tune flags). hosts needs PostgreSQL's server binaries (initdb, pg_ctl) and the
-# psycopg wheels; without the binaries it says so and uses a shared journal file instead, with the
+# EXTRA (more grid or search flags: the hosts step passes them to `create`, which refuses device
+# and output flags). hosts needs PostgreSQL's server binaries (initdb, pg_ctl) and the psycopg
+# wheels; without the binaries it says so and uses a shared journal file instead, with the
 # two workers told apart as two hosts ($TSDECODE_TUNE_HOST).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -81,6 +81,9 @@ ONESHOT_ERRORS = {
     "out_dtype fp8 with bf16 q": (dict(out_dtype=FP8), NotImplementedError, "out_dtype .*float8.* not supported"),
     "out_dtype int": (dict(out_dtype=torch.int32), NotImplementedError, "out_dtype torch.int32 is not supported"),
     "out_dtype not a dtype": (dict(out_dtype="bf16"), TypeError, "out_dtype must be a torch.dtype"),
+    "out int8": (dict(out="int8"), NotImplementedError, r"out\.dtype torch\.int8 is not supported"),
+    "empty batch": (dict(q="b0", block_tables="b0", seq_lens_kv="b0"), ValueError,
+                    "at least one request: q has 0 requests"),
     "out shape": (dict(out="shape"), ValueError, r"out must be q's shape"),
     "out dtype vs out_dtype": (dict(out="bf16", out_dtype=torch.float16), TypeError, "disagrees"),
     "out aliases q": (dict(out="alias"), ValueError, "must not alias q"),
@@ -132,6 +135,10 @@ def _materialize(inp, kw):
         ("bmm1_scale", "tensor"): lambda: torch.tensor(0.1),
         ("out", "shape"): lambda: torch.empty(q.shape[0], 8, 32, dtype=BF16, device=q.device),
         ("out", "bf16"): lambda: torch.empty_like(q),
+        ("out", "int8"): lambda: torch.empty(q.shape, dtype=torch.int8, device=q.device),
+        ("q", "b0"): lambda: q[:0],
+        ("block_tables", "b0"): lambda: bt[:0],
+        ("seq_lens_kv", "b0"): lambda: sl[:0],
         ("out", "alias"): lambda: q,
         ("out", "expand"): lambda: torch.empty_like(q[:1]).expand(q.shape),
         ("out", "interleaved"): lambda: torch.empty(q.numel(), dtype=q.dtype, device=q.device)
@@ -238,7 +245,7 @@ def test_run_checks_against_plan(inp, what):
     q, cache, out, kw = inp.q, inp.cache, None, {}
     exc = ValueError
     if what == "q dtype":
-        q, exc, pattern = q.half(), TypeError, "q dtype must be torch.bfloat16"
+        q, exc, pattern = q.half(), TypeError, r"q dtype must be torch.bfloat16 \(as planned by q_data_type"
     elif what == "q shape":
         q, pattern = q[:1], r"q must be \[B, Hq, D\] = \[2, 8, 64\], got \[1, 8, 64\]"
     elif what == "cache dtype":
@@ -251,7 +258,8 @@ def test_run_checks_against_plan(inp, what):
     elif what == "page range":
         cache, pattern = cache[:1], "page ID .* but paged_kv_cache has only 1 pages"
     elif what == "out dtype":
-        out, exc, pattern = torch.empty(q.shape, dtype=torch.float16, device=q.device), TypeError, "out dtype"
+        out, exc, pattern = (torch.empty(q.shape, dtype=torch.float16, device=q.device), TypeError,
+                             r"out dtype must be torch.bfloat16 \(as planned by o_data_type")
     elif what == "out shape":
         out, pattern = torch.empty(2, 8, 32, dtype=BF16, device=q.device), "out must be q's shape"
     else:
@@ -685,3 +693,14 @@ def test_a_valid_call_after_the_errors_still_works(inp):
     case = Case(lens=(5, 40))
     rel, _ = errors(oneshot(inp), reference(case, inp))
     assert rel < 2e-2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", 0, "cuda:1"])
+def test_a_cuda_device_on_a_machine_without_one(device):
+    """plan() and the workspace size name the device asked for and say what runs on a CPU (not
+    torch's AssertionError from deep inside)."""
+    with pytest.raises(ValueError, match=r"device cuda.* is a CUDA device, but torch finds none here; .*TRITON_INTERPRET"):
+        plan(device=device)
+    with pytest.raises(ValueError, match="is a CUDA device, but torch finds none"):
+        tsdecode.get_prims_ts_batch_decode_workspace_size(2, 8, 2, 64, 16, 40, device=device)

@@ -168,3 +168,25 @@ def test_the_oracle_models_p_in_e4m3():
     assert 1e-3 < rel_err(oracle, exact) < 0.1
     unrounded = flashinfer_oracle(q, cache, table, lens, bmm1, bmm2, p_dtype=torch.float64)
     assert rel_err(unrounded, exact) < 1e-6
+
+
+@pytest.mark.parametrize("splits", [1, 4], ids=["one-split", "merged"])
+def test_fp8_output_rounds_each_element_to_nearest(splits):
+    """fp8 q, cache and output (one split, and four merged). Each output element is the exact
+    value rounded to e4m3: within one e4m3 step of it (an eighth of its binade; subnormals 2^-9),
+    so a rounding that drops a carry into the exponent (0.49 -> 0.25) fails. Values span several
+    binades (bmm2_scale 4)."""
+    config = tsdecode.KernelConfig(block_n=16, block_m=16, num_kv_splits=splits)
+    lens = (200, 37, 129)
+    q, cache, table, seq_lens, bmm1, _ = make_problem(lens, 8, 2, 64, 16, FP8, 2.0, seed=5)
+    exact = reference_decode(q, cache, table, seq_lens, bmm1_scale=bmm1, bmm2_scale=4.0)
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan(DEVICE, len(lens), 8, 2, 64, 16, max(lens), q_data_type=FP8, kv_data_type=FP8,
+           seq_lens=list(lens), config=config)
+    out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=DEVICE).to(FP8)
+    w.run(q.to(DEVICE), cache.to(DEVICE), None, table.to(DEVICE), bmm1_scale=bmm1, bmm2_scale=4.0, out=out)
+    got, want = out.double().cpu(), exact.double()
+    assert torch.isfinite(got).all(), "unwritten output elements"
+    assert want.abs().max() > 0.5 and (want.abs() < 0.05).any()  # several binades
+    binade = torch.exp2(torch.floor(torch.log2(want.abs().clamp_min(2.0 ** -6))))
+    assert ((got - want).abs() <= binade / 8 + 2.0 ** -9).all(), (got - want).abs().max()

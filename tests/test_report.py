@@ -211,6 +211,19 @@ def test_report_without_out_writes_under_the_user_cache(tmp_path, monkeypatch, c
     assert f"wrote {compare / 'compare.html'}" in capsys.readouterr().out and list(cwd.iterdir()) == []
 
 
+@pytest.mark.parametrize("flag", ["--check-requests", "--cpu-repeats"])
+def test_report_counts_below_1_exit_2_naming_the_flag(flag, tmp_path, capsys):
+    from tuner.cli import main
+
+    out = tmp_path / "out"
+    for run in (R.main, lambda argv: main(["report", *argv])):
+        assert run(["--preset", "smoke", "--device", "cpu", "--out", str(out), flag, "0"]) == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: expected an integer >= 1, got '0'" in err
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()
+
+
 def test_peers_skip_with_reason(smoke_run):
     _, out, _ = smoke_run
     _, rows = load(out)

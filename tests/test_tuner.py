@@ -34,6 +34,7 @@ from tsdecode.config.tables import TableEntry
 from tsdecode.device import CPU_NAME, DeviceProperties, device_properties
 from tsdecode.reference import reference_decode
 from tuner import measure, search, space, study
+from tuner.arguments import PROG
 from tuner.cli import main
 from tuner.grids import DTYPES, PRESETS, ShapeSpec
 from tuner.table_writer import merge_entries
@@ -674,12 +675,38 @@ def test_time_budget_stops_the_search_and_drops_slow_compiles(tmp_path):
     ([*TINY, "--head-dim", "100"], "--head-dim: [100] not supported; one of [64, 96, 128"),
     ([*TINY, "--kv-dtypes", "fp8"], "--kv-dtypes: unknown dtype(s) ['fp8']"),
     ([*TINY, "--heads", "4:3"], "--heads: 4:3: HQ must be a multiple of HKV"),
+    ([*TINY, "--config-dir", "x"], "--config-dir is a flag of explain, not of tune"),
 ])
 def test_cli_errors_exit_2_with_a_message(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists() and not tables.user_config_dir().exists()  # nothing written
+
+
+@pytest.mark.parametrize("argv, owners", [
+    (["--out", "OUT"], "tune, worker and export"),
+    (["--out=OUT"], "tune, worker and export"),
+    (["--device", "cuda:3"], "tune and explain"),
+    (["--devices", "all"], "tune and worker"),
+    (["--compile-workers", "2"], "tune and worker"),
+    (["--isolation", "inline"], "tune and worker"),
+    (["--inject-hook", "x:y"], "tune and worker"),
+    (["--no-progress"], "tune and worker"),
+    (["--stale-only"], "tune"),
+])
+def test_create_has_no_device_or_output_flags(argv, owners, tmp_path, capsys):
+    """``create`` only defines the job: the flags of a run are not in its help and are refused
+    (exit code 2, one line naming the flag and who takes it), before anything is written."""
+    out, storage = tmp_path / "out", tmp_path / "s.journal"
+    argv = [a.replace("OUT", str(out)) for a in argv]
+    assert main(["create", "--storage", str(storage), "--preset", "smoke", "--for", "cpu", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"{PROG} create: error: {argv[0].split('=')[0]} is a flag of {owners}, not of create" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists() and not storage.exists()
+    assert main(["create", "--help"]) == 0
+    assert f"{argv[0].split('=')[0]} " not in capsys.readouterr().out
 
 
 @cpu_only

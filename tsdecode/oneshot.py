@@ -71,6 +71,7 @@ def batch_decode_with_paged_kv_cache(
         if out_dtype is not None and out_dtype != out.dtype:
             raise TypeError(f"out_dtype={out_dtype} disagrees with out.dtype={out.dtype}")
         out_dtype = out.dtype
+    out_name = "out_dtype" if out is None else "out.dtype"  # what a dtype error names
     packed, sq = _oneshot_query_mode(q, seq_len_q, qo_indptr, max_seq_len_q, capture_mode)
     batch = _oneshot_batch_size(q, block_tables, seq_lens_kv, qo_indptr, packed)
     num_qo_heads = q.shape[-2]
@@ -86,7 +87,7 @@ def batch_decode_with_paged_kv_cache(
     if capture_mode:  # a plan of run-owned lengths, made here (plan() refuses a capture) from host values only
         device, shape = api.plan_problem(device, batch, num_qo_heads, num_kv_heads, head_dim, page_size,
                                          max_kv_len, sq, packed, q.dtype, kv_dtype, out_dtype, mask_type,
-                                         window_left, ("q", "paged_kv_cache", "out_dtype"))
+                                         window_left, ("q", "paged_kv_cache", out_name))
         plan = api.make_plan(device, shape, None, workspace_buffer, None)
         if device.type == "cuda":
             with api.on_device(device):  # finds the kernels the call outside the capture compiled
@@ -114,7 +115,7 @@ def batch_decode_with_paged_kv_cache(
     device, shape = api.plan_problem(device, batch, num_qo_heads, num_kv_heads, head_dim, page_size,
                                      max(lens) if max_kv_len is None else max_kv_len, sq, packed, q.dtype,
                                      kv_dtype, out_dtype, mask_type, window_left,
-                                     ("q", "paged_kv_cache", "out_dtype"))
+                                     ("q", "paged_kv_cache", out_name))
     api.check_values(shape, lens, indptr, min_page, max_page, block_tables.shape[1], num_pages,
                      q.shape[0] if packed else batch * sq, "seq_lens_kv")
     plan = api.make_plan(device, shape, tuple(lens), workspace_buffer, None)
@@ -139,6 +140,8 @@ def _oneshot_batch_size(q, block_tables, seq_lens_kv, qo_indptr, packed: bool) -
         counts.append((seq_lens_kv.shape[0], f"seq_lens_kv has {seq_lens_kv.shape[0]} lengths"))
     if len({n for n, _ in counts}) > 1:
         raise ValueError("the arguments disagree on the batch size B: " + ", ".join(text for _, text in counts))
+    if counts[0][0] < 1:
+        raise ValueError(f"the batch must hold at least one request: {counts[0][1]}")
     return counts[0][0]
 
 

@@ -156,8 +156,14 @@ def validate_device(device: object, interpreter: bool) -> torch.device:
     except RuntimeError as e:
         raise ValueError(f"device {device!r} is not a device: {e}") from None
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device} is a CUDA device, but torch finds none here; on a CPU pass "
+                             f"device='cpu' with TRITON_INTERPRET=1 set before triton is imported")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device} does not exist: torch sees {torch.cuda.device_count()} CUDA "
+                             f"device(s)")
         return device
     if device.type == "cpu" and interpreter:
         return device
@@ -351,13 +357,15 @@ def describe_query_layout(packed: bool, seq_len_q: int) -> str:
 
 
 def validate_io_tensor(name: str, t: object, shape: tuple[int, ...], layout: str, dtype: torch.dtype,
-                       device: torch.device) -> torch.Tensor:
-    """Shape, dtype, device and a contiguous head dim for q or out."""
+                       device: torch.device, dtype_source: str = "") -> torch.Tensor:
+    """Shape, dtype, device and a contiguous head dim for q or out; ``dtype_source`` says where the
+    expected dtype came from (e.g. the plan argument that set it)."""
     t = require_tensor(name, t)
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must be {layout} = {list(shape)}, got {_shape(t)}")
     if t.dtype != dtype:
-        raise TypeError(f"{name} dtype must be {dtype}, got {t.dtype}")
+        source = f" ({dtype_source})" if dtype_source else ""
+        raise TypeError(f"{name} dtype must be {dtype}{source}, got {t.dtype}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if t.stride(-1) != 1:

@@ -155,11 +155,16 @@ def add_grid_arguments(parser) -> None:
     g.add_argument("--page-sizes", default="16", help="custom grid: page sizes, e.g. 1,16,64")
     g.add_argument("--kv-dtypes", default="bfloat16", help="custom grid: K/V dtypes (q/out follow "
                    "unless --q-dtype is given; an fp8 cache takes bf16 q)")
-    g.add_argument("--q-dtype", default=None, help="custom grid: query dtype")
+    g.add_argument("--q-dtype", default=None, help=f"custom grid: query dtype, one of {', '.join(DTYPES)} "
+                   "(default: the K/V dtype, bfloat16 for an fp8 cache)")
     g.add_argument("--seq-len-q", type=int, default=1, help="custom grid: query tokens per request")
     g.add_argument("--packed", action="store_true", help="custom grid: packed queries (qo_indptr)")
-    g.add_argument("--mask", default="dense", choices=("dense", "causal"))
-    g.add_argument("--window-left", type=int, default=-1)
+    g.add_argument("--mask", default="dense", choices=("dense", "causal"),
+                   help="custom grid: dense: every query token sees all K/V tokens; causal: only those up to its "
+                        "own position (default %(default)s)")
+    g.add_argument("--window-left", type=int, default=-1,
+                   help="custom grid: sliding window, with --mask causal: each query token sees itself and at "
+                        "most this many K/V tokens before it (default %(default)s: no window)")
     g.add_argument("--ragged", action="store_true", help="custom grid: ragged K/V lengths")
 
 

@@ -34,7 +34,7 @@ from tsdecode.device import INTERPRETER as INTERPRETER_ACTIVE
 from . import html as H
 from . import impls as I
 from . import measure
-from .arguments import Parser, UsageError, nonnegative_float, positive_float
+from .arguments import Parser, UsageError, nonnegative_float, positive_float, positive_int
 from .grids import ShapeSpec, add_grid_arguments, specs_from_args
 from .measure import geomean
 from .space import config_text
@@ -95,13 +95,16 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cuda (default when available) or cpu (interpreter)")
     g.add_argument("--replay-ms", type=positive_float, default=80.0,
                    help="CUDA-graph replay time per measurement (default %(default)s)")
-    g.add_argument("--cpu-repeats", type=int, default=1, help="timed calls per case on CPU")
-    g.add_argument("--check-requests", type=int, default=2,
-                   help="requests compared with the float64 reference per shape (the first N)")
-    g.add_argument("--copy-gib", type=positive_float, default=2.0, help="buffer size of the copy-bandwidth test")
+    g.add_argument("--cpu-repeats", type=positive_int, default=1,
+                   help="timed calls per case on CPU (default %(default)s)")
+    g.add_argument("--check-requests", type=positive_int, default=2,
+                   help="requests compared with the float64 reference per shape (the first N, at least 1; "
+                        "default %(default)s)")
+    g.add_argument("--copy-gib", type=positive_float, default=2.0,
+                   help="buffer size of the copy-bandwidth test in GiB (default %(default)s)")
     g.add_argument("--budget-s", type=nonnegative_float, default=None, metavar="SECONDS",
                    help="start no new shape after this many seconds (the rest: skipped rows)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default %(default)s)")
     g.add_argument("--title", default=None, help="page title")
     g.add_argument("--from-csv", default=None, metavar="RESULTS.csv",
                    help="re-render report.html from an existing results.csv (no benchmarking)")

@@ -76,7 +76,7 @@ class CandidateFailed(Exception):
 
 
 class WorkerUnavailable(RuntimeError):
-    """The measuring worker cannot be (re)started: the run stops (measured trials are kept)."""
+    """The measuring process cannot be (re)started: the run stops (measured trials are kept)."""
 
 
 def describe_exception(e: BaseException, limit: int = 400) -> str:
@@ -207,7 +207,7 @@ class Measurer:
         if isinstance(e, CandidateFailed):
             return e
         fatal = self.context_poisoned(e)
-        reason = f"{what}: {describe_exception(e)}" + (" (CUDA context poisoned; worker restarted)" if fatal else "")
+        reason = f"{what}: {describe_exception(e)}" + (" (CUDA context poisoned; measuring process restarted)" if fatal else "")
         return CandidateFailed(reason, fatal=fatal)
 
     def _call_hook(self, stage: str, spec: ShapeSpec, config: KernelConfig, **kw) -> None:
@@ -356,7 +356,7 @@ class WorkerOptions:
 
 def exit_with_parent() -> None:
     """End this process (at once) when its parent dies: a thread polls the parent's PID. Used by
-    the measuring worker (which only notices a dead parent between requests) and the compile
+    the measuring process (which only notices a dead parent between requests) and the compile
     processes (which never do)."""
     import threading
 
@@ -460,7 +460,7 @@ class WorkerClient:
                 self.restarts += 1
             if self._consecutive >= self.max_restarts:
                 raise WorkerUnavailable(
-                    f"the measuring worker failed {self._consecutive} times in a row without "
+                    f"the measuring process failed {self._consecutive} times in a row without "
                     "finishing a request; stopping (trials so far are saved; rerun to resume)")
             parent, child = self.ctx.Pipe()
             self.proc = self.ctx.Process(target=_worker_main, args=(child, self.options),
@@ -475,7 +475,7 @@ class WorkerClient:
             except CandidateFailed as e:
                 self._kill()
                 if self._consecutive >= self.max_restarts:
-                    raise WorkerUnavailable(f"the measuring worker cannot start: {e.reason}") from None
+                    raise WorkerUnavailable(f"the measuring process cannot start: {e.reason}") from None
                 continue
             if self.hello is None:
                 self.hello = reply
@@ -552,7 +552,7 @@ def compile_candidate(specs: Sequence[ShapeSpec], config: KernelConfig, device: 
     except Exception as e:
         if dev.type == "cuda" and _cuda_poisoned(e):
             # This process's context is unusable: end it (the pool reports the candidate as not
-            # precompiled and the isolated measuring worker finds out what it does).
+            # precompiled and the isolated measuring process finds out what it does).
             os._exit(3)
         return {"ok": False, "reason": f"compile failed: {describe_exception(e)}",
                 "seconds": time.perf_counter() - t0}

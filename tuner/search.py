@@ -531,7 +531,7 @@ class Tuner:
         self.log = ResultLog(paths.jsonl)
         beats = is_heartbeat_enabled(storage)  # RDB storages opened with a heartbeat
         self.beats = _Beats(storage, heartbeat.interval) if beats and heartbeat is not None else _NoBeats()
-        self.plan_s = 0.0  # seconds the measuring worker spent planning (loading or compiling)
+        self.plan_s = 0.0  # seconds the measuring process spent planning (loading or compiling)
         self.measured_now = 0  # configs measured by this worker
         self._prepared: Bucket | None = None
         self._reported: set[str] = set()  # study names told to on_study

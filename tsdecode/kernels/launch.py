@@ -157,6 +157,11 @@ class DecodeLaunch:
         """q/out: [B, Hq, D], [B, SQ, Hq, D] or packed [total_q, Hq, D]; kv_cache compact inside a
         page (the page stride may be padded); block_tables [B, C] with contiguous rows; seq_lens
         [B] and qo_indptr [B+1] contiguous."""
+        if INTERPRETER and out.dtype.itemsize == 1:  # the interpreter mis-rounds fp32 -> fp8 stores:
+            staged = torch.empty_strided(out.shape, out.stride(), dtype=torch.float32, device=out.device)
+            self(q, kv_cache, staged, block_tables, seq_lens, qo_indptr, bmm1_scale, bmm2_scale)
+            out.copy_(staged)  # torch rounds to nearest
+            return
         k_ptr, v_ptr, kv_strides = _cache_pointers(kv_cache)
         packed = self.shape.packed
         indptr = qo_indptr if qo_indptr is not None else seq_lens  # unused unless PACKED
