@@ -41,7 +41,7 @@ from tsdecode import KernelConfig
 from tsdecode.config import tables
 from tsdecode.device import CPU_NAME, device_properties
 from tuner import job as J
-from tuner import search, study
+from tuner import buckets, search, study
 from tuner.cli import main
 from tuner.devices import compile_workers_per_device
 
@@ -417,7 +417,7 @@ def test_two_workers_finalising_one_bucket_is_harmless(one_worker, tmp_path):
     name = J.study_names(storage, job)[bucket.key]
     s = optuna.load_study(study_name=name, storage=storage)
     before = s.user_attrs["final"]
-    default, _ = search.bucket_space(bucket, cpu, job.settings.limits)
+    default, _ = buckets.bucket_space(bucket, cpu, job.settings.limits)
     results = []
     for label in ("a", "b"):  # one after the other here; at once, each writes a whole final
         paths = study.OutputPaths.for_device(cpu.name, tmp_path / label)

@@ -78,6 +78,13 @@ ONESHOT_ERRORS = {
     "bmm1_scale tensor": (dict(bmm1_scale="tensor"), TypeError, "bmm1_scale must be a real number"),
     "bmm2_scale None": (dict(bmm2_scale=None), TypeError, "bmm2_scale must be a real number"),
     "bmm2_scale nan": (dict(bmm2_scale=float("nan")), ValueError, "bmm2_scale must be finite"),
+    "bmm1_scale past float32": (dict(bmm1_scale=3e38), ValueError,
+                                "bmm1_scale must be finite and at most 2.359e[+]38 .* got 3e[+]38"),
+    "bmm2_scale past float32": (dict(bmm2_scale=-1e39), ValueError,
+                                "bmm2_scale must be finite and at most 3.403e[+]38 .* got -1e[+]39"),
+    "window past every length": (dict(window_left=2**64, mask_type="causal"), ValueError,
+                                 r"window_left must be -1 \(no window\) or at most 2,147,483,392"),
+    "q on another device": (dict(q="meta"), ValueError, "q is on meta but paged_kv_cache is on"),
     "out_dtype fp8 with bf16 q": (dict(out_dtype=FP8), NotImplementedError, "out_dtype .*float8.* not supported"),
     "out_dtype int": (dict(out_dtype=torch.int32), NotImplementedError, "out_dtype torch.int32 is not supported"),
     "out_dtype not a dtype": (dict(out_dtype="bf16"), TypeError, "out_dtype must be a torch.dtype"),
@@ -94,6 +101,7 @@ ONESHOT_ERRORS = {
     "fixed max_seq_len_q mismatch": (dict(max_seq_len_q=3), ValueError, "must equal seq_len_q"),
     "causal query longer than kv": (dict(q="sq8", seq_len_q=8, mask_type="causal"), ValueError, "causal mask needs"),
     "qo_indptr int64": (dict(qo_indptr="int64"), TypeError, "qo_indptr must be int32"),
+    "qo_indptr 2-D": (dict(qo_indptr="2d"), ValueError, r"qo_indptr must be 1-D \[B\+1\] .* got shape \[1, 3\]"),
     "qo_indptr shape": (dict(qo_indptr="shape"), ValueError, r"qo_indptr has 2 offsets \(B\+1\), block_tables has 2 rows"),
     "qo_indptr not from 0": (dict(qo_indptr="start1"), ValueError, r"qo_indptr\[0\] must be 0"),
     "qo_indptr not increasing": (dict(qo_indptr="flat"), ValueError, "strictly increase"),
@@ -150,6 +158,8 @@ def _materialize(inp, kw):
         ("qo_indptr", "short"): lambda: torch.tensor([0, 1, 3], dtype=torch.int32, device=q.device),
         ("qo_indptr", "long2"): lambda: torch.tensor([0, 1, 3], dtype=torch.int32, device=q.device),
         ("qo_indptr", "ok"): lambda: torch.tensor([0, 1, 2], dtype=torch.int32, device=q.device),
+        ("qo_indptr", "2d"): lambda: torch.tensor([[0, 1, 2]], dtype=torch.int32, device=q.device),
+        ("q", "meta"): lambda: q.to("meta"),
     }
     for key, value in kw.items():
         if isinstance(value, str) and (key, value) in special:
@@ -352,6 +362,9 @@ def test_packed_run_checks_the_offsets(inp):
         run([0, 2, 5], q=torch.cat([q3, q3[:2]]))
     out = run([0, 2, 3])
     assert out.shape == q3.shape
+    with pytest.raises(ValueError, match=r"q must be packed \[total_q, Hq, D\] \(the plan is packed\), with "
+                                         r"total_q at most B\*max_seq_len_q = 4; got shape \[2, 1, 8, 64\]"):
+        run([0, 1, 2], q=inp.q[:, None])
 
 
 def test_cpu_tensors_need_interpreter(monkeypatch):

@@ -1,4 +1,4 @@
-"""Reports (tuner/report.py): CSV schema and arithmetic, end-to-end CPU (interpreter) run,
+"""Reports (tuner/report.py, benchmark.py, results.py, pages.py): CSV schema and arithmetic, end-to-end CPU (interpreter) run,
 re-rendering, comparison mode, CSVs from elsewhere, the implementation registry and the HTML in
 headless Chromium."""
 
@@ -20,12 +20,16 @@ from tsdecode.config import tables
 from tsdecode.config.space import KernelConfig, fit_config
 from tsdecode.config.tables import TableEntry
 from tsdecode.device import INTERPRETER, device_properties
+from tuner import benchmark as B
 from tuner import html as H
 from tuner import impls as I
 from tuner import measure
 from tuner import report as R
+from tuner import results as Res
 from tuner.grids import PRESETS, ShapeSpec
 from tuner.table_writer import merge_entries, table_path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Two of the smoke preset's shapes: the table below has an entry for the B=3 one only.
 FILTER = "^B1_L40_|^B3_L130_"
@@ -79,7 +83,7 @@ def smoke_run(tmp_path_factory):
 def load(out):
     with open(out / "results.csv", newline="") as f:
         header = next(csv.reader(f))
-    return header, R.read_csv(out / "results.csv")
+    return header, Res.read_csv(out / "results.csv")
 
 
 def close(a, b, rel=1e-6):
@@ -105,8 +109,8 @@ def test_report_runs_and_writes_outputs(smoke_run):
 def test_csv_schema(smoke_run):
     _, out, _ = smoke_run
     header, rows = load(out)
-    for col in ("shape", *R.SPEC_FIELDS, "impl", "status", "time_us_median", "time_us_min",
-                "time_us_max", "bytes_moved", "achieved_gbs", "frac_copy_bw", "copy_bw_gbs",
+    for col in ("shape", *Res.SPEC_FIELDS, "impl", "status", "time_us_median", "time_us_min",
+                "time_us_max", "bytes_moved", "bandwidth_gbs", "fraction_of_copy", "copy_bandwidth_gbs",
                 "speedup_vs_heuristic", "speedup_vs_torch_sdpa", "speedup_vs_flex_attention",
                 "speedup_vs_flashinfer", "rel_error", "config", "config_source", "timing_method",
                 "device", "sm_count", "compute_capability", "torch_version", "triton_version", "date"):
@@ -116,11 +120,11 @@ def test_csv_schema(smoke_run):
     assert shapes == {s.name for s in PRESETS["smoke"] if re.search(FILTER, s.name)}
     assert len(shapes) == 2
     for r in rows:
-        assert r["timing_method"] == R.INTERPRETER
+        assert r["timing_method"] == Res.INTERPRETER
         assert "MEANINGLESS" in r["timing_note"]
         assert r["status"] in ("ok", "skipped", "failed")
         assert r["status"] != "failed", (r["impl"], r["reason"])
-        assert R.spec_of(r).name == r["shape"]
+        assert Res.spec_of(r).name == r["shape"]
 
 
 def test_csv_numbers_consistent(smoke_run):
@@ -128,15 +132,15 @@ def test_csv_numbers_consistent(smoke_run):
     _, rows = load(out)
     by = {(r["shape"], r["impl"]): r for r in rows}
     for r in rows:
-        spec = R.spec_of(r)
+        spec = Res.spec_of(r)
         assert r["bytes_moved"] == measure.bytes_moved(spec)  # fixed lengths, SQ=1
         if r["status"] != "ok":
             assert r["time_us_median"] is None and r["reason"]
             continue
         t = r["time_us_median"]
         assert r["time_us_min"] <= t <= r["time_us_max"]
-        assert close(r["achieved_gbs"], r["bytes_moved"] / (t * 1e-6) / 1e9)
-        assert close(r["frac_copy_bw"], r["achieved_gbs"] / r["copy_bw_gbs"])
+        assert close(r["bandwidth_gbs"], r["bytes_moved"] / (t * 1e-6) / 1e9)
+        assert close(r["fraction_of_copy"], r["bandwidth_gbs"] / r["copy_bandwidth_gbs"])
         for other in ("heuristic", "torch_sdpa", "flex_attention"):
             o = by.get((r["shape"], other))
             if o and o["status"] == "ok":
@@ -148,14 +152,14 @@ def test_csv_numbers_consistent(smoke_run):
         assert r["checked_requests"] == spec.batch_size  # --check-requests 8 covers all
         if r["impl_kind"] == "tsdecode":
             assert r["rel_error"] <= measure.tolerance(spec) and r["error_ok"]
-    assert len({r["copy_bw_gbs"] for r in rows}) == 1  # measured once per run
+    assert len({r["copy_bandwidth_gbs"] for r in rows}) == 1  # measured once per run
 
 
 def test_tuned_rows_only_where_a_table_entry_exists(smoke_run):
     _, out, path = smoke_run
     _, rows = load(out)
     for shape in {r["shape"] for r in rows}:
-        spec = ShapeSpec(**{f: next(r for r in rows if r["shape"] == shape)[f] for f in R.SPEC_FIELDS})
+        spec = ShapeSpec(**{f: next(r for r in rows if r["shape"] == shape)[f] for f in Res.SPEC_FIELDS})
         impls = {r["impl"]: r for r in rows if r["shape"] == shape}
         heur = impls["heuristic"]
         assert heur["config_source"] == "heuristic"
@@ -238,9 +242,9 @@ def test_peers_skip_with_reason(smoke_run):
 
 def test_from_csv_roundtrip_and_rerender(smoke_run, tmp_path):
     _, out, _ = smoke_run
-    rows = R.read_csv(out / "results.csv")
-    R.write_csv(rows, tmp_path / "again.csv")
-    assert R.read_csv(tmp_path / "again.csv") == rows
+    rows = Res.read_csv(out / "results.csv")
+    Res.write_csv(rows, tmp_path / "again.csv")
+    assert Res.read_csv(tmp_path / "again.csv") == rows
     assert R.main(["--from-csv", str(out / "results.csv"), "--out", str(tmp_path)]) == 0
     page = (tmp_path / "report.html").read_text(encoding="utf-8")
     for shape in {r["shape"] for r in rows}:
@@ -248,21 +252,42 @@ def test_from_csv_roundtrip_and_rerender(smoke_run, tmp_path):
     assert "TIMINGS ARE MEANINGLESS" in page
 
 
+def test_results_csv_is_never_left_partial(smoke_run, tmp_path):
+    """The benchmark rewrites results.csv after every shape: a write that dies half-way must
+    leave the previous file whole (and no temporary file behind)."""
+    _, out, _ = smoke_run
+    rows = Res.read_csv(out / "results.csv")
+    path = tmp_path / "results.csv"
+    Res.write_csv(rows, path)
+    before = path.read_bytes()
+
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("killed mid-write")
+
+    broken = [dict(r) for r in rows]
+    broken[-1]["reason"] = Unprintable()
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        Res.write_csv(broken, path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.csv"]
+
+
 def test_compare_mode(smoke_run, tmp_path):
     _, out, _ = smoke_run
-    rows = R.read_csv(out / "results.csv")
+    rows = Res.read_csv(out / "results.csv")
     faster = []
     for r in rows:  # "B": every time halved, bandwidth doubled
         r = dict(r)
         if r["status"] == "ok":
             for k in ("time_us_median", "time_us_min", "time_us_max"):
                 r[k] /= 2
-            r["achieved_gbs"] *= 2
-            r["frac_copy_bw"] *= 2
+            r["bandwidth_gbs"] *= 2
+            r["fraction_of_copy"] *= 2
         faster.append(r)
     b = tmp_path / "b" / "results.csv"
     b.parent.mkdir()
-    R.write_csv(faster, b)
+    Res.write_csv(faster, b)
     assert R.main(["--compare", str(out / "results.csv"), str(b), "--out", str(tmp_path / "cmp")]) == 0
     page = (tmp_path / "cmp" / "compare.html").read_text(encoding="utf-8")
     assert "2.00×" in page
@@ -283,7 +308,7 @@ def test_failed_shape_is_recorded_and_the_report_goes_on(tmp_path, monkeypatch):
     code = R.main(["--preset", "smoke", "--filter", "_L40_", "--device", "cpu", "--out", str(tmp_path),
                    "--impls", "heuristic,torch_sdpa"])
     assert code == 1  # a tsdecode row failed
-    rows = R.read_csv(tmp_path / "results.csv")
+    rows = Res.read_csv(tmp_path / "results.csv")
     status = {(r["batch_size"], r["impl"]): r["status"] for r in rows}
     assert status == {(1, "heuristic"): "ok", (1, "torch_sdpa"): "ok",
                       (3, "heuristic"): "failed", (3, "torch_sdpa"): "failed"}
@@ -306,8 +331,8 @@ def _report_rows() -> list[dict]:
                 "shape": spec.name, **spec.to_dict(), "impl": impl, "impl_kind": kind,
                 "status": "ok", "timing_method": "cuda_graph", "copies": 1, "replays": 9,
                 "time_us_median": us, "time_us_min": 0.9 * us, "time_us_max": 1.1 * us,
-                "bytes_moved": 10**6, "achieved_gbs": 1e6 / us / 1e3, "copy_bw_gbs": 40.0,
-                "frac_copy_bw": 1e6 / us / 1e3 / 40.0, "rel_error": 1e-3, "tolerance": 2e-2,
+                "bytes_moved": 10**6, "bandwidth_gbs": 1e6 / us / 1e3, "copy_bandwidth_gbs": 40.0,
+                "fraction_of_copy": 1e6 / us / 1e3 / 40.0, "rel_error": 1e-3, "tolerance": 2e-2,
                 "error_ok": True, "checked_requests": b, "device": "Test GPU", "sm_count": 132,
                 "compute_capability": "9.0",
             })
@@ -315,12 +340,12 @@ def _report_rows() -> list[dict]:
 
 
 def _write_report_csv(path: Path, rows: list[dict], drop=()) -> Path:
-    cols = [c for c in R.columns_for(rows) if c not in drop]
+    cols = [c for c in Res.columns_for(rows) if c not in drop]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)
         for r in rows:
-            w.writerow([R._csv_value(r.get(c)) for c in cols])
+            w.writerow([Res._csv_value(r.get(c)) for c in cols])
     return path
 
 
@@ -353,12 +378,12 @@ def test_report_from_csv_without_error_ok_derives_it(change, code, message, tmp_
 def test_report_csv_without_required_columns_exits_2_naming_them(tmp_path, capsys):
     good = _write_report_csv(tmp_path / "good.csv", _report_rows())
     bad = _write_report_csv(tmp_path / "bad.csv", _report_rows(),
-                            drop=("kv_len", "frac_copy_bw", "time_us_min", "copy_bw_gbs"))
+                            drop=("kv_len", "fraction_of_copy", "time_us_min", "copy_bandwidth_gbs"))
     for argv in (["--from-csv", str(bad)], ["--compare", str(good), str(bad)]):
         code, err = _report([*argv, "--out", str(tmp_path / "out")], capsys)
         assert code == 2
         assert f"{bad}: not a report CSV (missing column(s) ['kv_len', 'time_us_min', " \
-               "'copy_bw_gbs', 'frac_copy_bw'])" in err
+               "'copy_bandwidth_gbs', 'fraction_of_copy'])" in err
     rows = _report_rows()
     rows[1]["batch_size"] = "8.0"
     code, err = _report(["--from-csv", str(_write_report_csv(tmp_path / "int.csv", rows))], capsys)
@@ -370,9 +395,9 @@ def test_report_rows_with_unusable_numbers_are_left_out_of_plots(tmp_path, capsy
     rows[0].update(time_us_median=float("nan"))
     rows[1].update(time_us_median=-5.0)
     rows[2].update(time_us_median=float("inf"), time_us_min=None)
-    rows[3].update(achieved_gbs=None, frac_copy_bw=float("nan"), time_us_min=None)
+    rows[3].update(bandwidth_gbs=None, fraction_of_copy=float("nan"), time_us_min=None)
     for r in rows:
-        r["copy_bw_gbs"] = None
+        r["copy_bandwidth_gbs"] = None
     path = _write_report_csv(tmp_path / "results.csv", rows)
     good = _write_report_csv(tmp_path / "good.csv", _report_rows())
     code, _ = _report(["--from-csv", str(path), "--out", str(tmp_path / "a")], capsys)
@@ -389,22 +414,38 @@ def test_report_rows_with_unusable_numbers_are_left_out_of_plots(tmp_path, capsy
 
 
 
-def test_report_csv_with_the_old_device_column_names_is_read(tmp_path, capsys):
-    """Reports written before the columns took tsdecode.device's names (gpu, num_sms) still
-    re-render and compare."""
+OLD_COLUMN_NAMES = {"device": "gpu", "sm_count": "num_sms", "bandwidth_gbs": "achieved_gbs",
+                    "fraction_of_copy": "frac_copy_bw", "copy_bandwidth_gbs": "copy_bw_gbs"}
+
+
+def test_report_csv_with_the_old_column_names_is_read(tmp_path, capsys):
+    """Reports written before the columns took the names of tsdecode.device (gpu, num_sms) and
+    of the tables (achieved_gbs, frac_copy_bw, copy_bw_gbs) still re-render and compare."""
     rows = _report_rows()
     path = tmp_path / "old.csv"
-    cols = [{"device": "gpu", "sm_count": "num_sms"}.get(c, c) for c in R.columns_for(rows)
-            if c != "compute_capability"]
+    new_names = [c for c in Res.columns_for(rows) if c != "compute_capability"]
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(cols)
+        w.writerow([OLD_COLUMN_NAMES.get(c, c) for c in new_names])
         for r in rows:
-            w.writerow([R._csv_value(r.get({"gpu": "device", "num_sms": "sm_count"}.get(c, c))) for c in cols])
-    read = R.read_csv(path)
+            w.writerow([Res._csv_value(r.get(c)) for c in new_names])
+    read = Res.read_csv(path)
     assert {(r["device"], r["sm_count"]) for r in read} == {("Test GPU", 132)}
+    for old, new in zip(read, rows):
+        for name in ("bandwidth_gbs", "fraction_of_copy", "copy_bandwidth_gbs"):
+            assert old[name] == pytest.approx(new[name]), name
     code, _ = _report(["--from-csv", str(path), "--out", str(tmp_path / "out")], capsys)
     assert code == 0 and "Test GPU" in (tmp_path / "out" / "report.html").read_text()
+
+
+def test_the_committed_reports_still_read():
+    """The CSVs under reports/ were written with the old column names."""
+    paths = sorted((ROOT / "reports").rglob("results.csv"))
+    assert paths
+    for path in paths:
+        rows = Res.read_csv(path)
+        assert all("bandwidth_gbs" in r and "achieved_gbs" not in r for r in rows), path
+        assert any(r["bandwidth_gbs"] for r in rows), path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -437,13 +478,13 @@ def test_registry_skip_fail_and_custom_impl():
         I.register_impl("broken", broken, kind="peer")
         I.register_impl("lazy", writes_nothing, kind="peer")
         impls = [I.IMPLS[n] for n in ("heuristic", "ref_peer", "unicorn", "broken", "lazy")]
-        opts = R.Options(torch.device("cpu"))
-        env = R.environment(opts.device)
-        rows = R.benchmark_shape(spec, impls, opts, env, copy_bw=100.0, log=lambda *a: None)
+        opts = B.Options(torch.device("cpu"))
+        env = B.environment(opts.device)
+        rows = B.benchmark_shape(spec, impls, opts, env, copy_bw=100.0, log=lambda *a: None)
     finally:
         for n in ("ref_peer", "unicorn", "broken", "lazy"):
             I.unregister_impl(n)
-    cols = R.add_speedups(rows)
+    cols = Res.add_speedups(rows)
     assert cols == ["speedup_vs_heuristic", "speedup_vs_ref_peer", "speedup_vs_unicorn",
                     "speedup_vs_broken", "speedup_vs_lazy"]
     by = {r["impl"]: r for r in rows}
@@ -458,7 +499,7 @@ def test_registry_skip_fail_and_custom_impl():
     with pytest.raises(ValueError):
         I.register_impl("bad name", reference_impl)
     with pytest.raises(ValueError, match="unknown implementation"):
-        R._parse_impls("heuristic,nope")
+        B._parse_impls("heuristic,nope")
 
 
 @needs_cpu_kernels
@@ -562,10 +603,10 @@ def test_compare_renders_in_chromium(smoke_run, tmp_path):
 def test_gpu_report_one_shape(tmp_path):
     assert R.main(["--batch-sizes", "8", "--kv-lens", "1024", "--device", "cuda", "--out", str(tmp_path),
                    "--impls", "heuristic,torch_sdpa", "--replay-ms", "20", "--copy-gib", "0.5"]) == 0
-    rows = R.read_csv(tmp_path / "results.csv")
+    rows = Res.read_csv(tmp_path / "results.csv")
     heur = next(r for r in rows if r["impl"] == "heuristic")
-    assert heur["timing_method"] == R.CUDA_GRAPH and heur["replays"] >= 5
-    assert heur["copies"] == measure.num_copies(R.spec_of(heur))
-    assert heur["error_ok"] and 0 < heur["frac_copy_bw"] < 1.5
+    assert heur["timing_method"] == Res.CUDA_GRAPH and heur["replays"] >= 5
+    assert heur["copies"] == measure.num_copies(Res.spec_of(heur))
+    assert heur["error_ok"] and 0 < heur["fraction_of_copy"] < 1.5
     times = measure.graph_times_us([lambda: None], replay_ms=5)
     assert len(times) >= 5

@@ -33,6 +33,7 @@ from tsdecode.config.space import KernelConfig, ProblemShape, fit_config
 from tsdecode.config.tables import TableEntry
 from tsdecode.device import CPU_NAME, DeviceProperties, device_properties
 from tsdecode.reference import reference_decode
+from tuner import buckets as tuner_buckets
 from tuner import measure, search, space, study
 from tuner.arguments import PROG
 from tuner.cli import main
@@ -145,7 +146,7 @@ def _plan_and_run(spec: ShapeSpec, device: str = "cpu"):
 def _bare_tuner(out: Path) -> search.Tuner:
     """A Tuner on ``out`` without a measuring client (storage and log only)."""
     paths = study.OutputPaths.for_device(CPU.name, out)
-    return search.Tuner(search.TuneSettings(), client=None, device=CPU, copy_bandwidth_gbs=None, paths=paths,
+    return search.Tuner(tuner_buckets.TuneSettings(), client=None, device=CPU, copy_bandwidth_gbs=None, paths=paths,
                         storage=study.open_storage(paths.storage), progress=False, heartbeat=study.Heartbeat(1, 60))
 
 
@@ -253,7 +254,7 @@ def test_smoke_tune_writes_nothing_into_the_working_folder(smoke):
     assert (smoke.work / "cpu_Triton_interpreter_trials.csv").stat().st_size > 0
     assert f"trial log: {smoke.work / 'cpu_Triton_interpreter_trials.jsonl'}" in smoke.err
     _check_log_matches_storage(smoke.work)
-    buckets = {f"{b.class_key}|B{b.bucket[0]}_L{b.bucket[1]}": b for b in search.group_buckets(PRESETS["smoke"])}
+    buckets = {f"{b.class_key}|B{b.bucket[0]}_L{b.bucket[1]}": b for b in tuner_buckets.group_buckets(PRESETS["smoke"])}
     studies = _studies(smoke.work)
     assert sorted(s.study_name.rsplit("|", 1)[0] for s in studies) == sorted(buckets)
     for s in studies:
@@ -573,8 +574,9 @@ def test_broken_candidates_are_pruned_with_reasons(tmp_path, monkeypatch):
     # A default inside the grid's limits (the heuristic's own choice for this shape lies outside
     # them and would widen the grid), so the grid is exactly block_n x block_m.
     fixed_default = KernelConfig(block_n=64, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
-    monkeypatch.setattr(search, "heuristic_config", lambda shape, *_: fit_config(fixed_default, shape)[0])
-    monkeypatch.setattr(sys.modules[__name__], "heuristic_config", search.heuristic_config)
+    fixed = lambda shape, *_: fit_config(fixed_default, shape)[0]  # noqa: E731
+    for module in (search, tuner_buckets, sys.modules[__name__]):
+        monkeypatch.setattr(module, "heuristic_config", fixed)
     out = tmp_path / "broken"
     trials = _grid_trials(ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64),
                           block_m=(2, 16), num_kv_splits=(1,), num_warps=(4,), num_stages=(2,))
@@ -891,7 +893,7 @@ def test_study_name_changes_with_the_heuristic_default(tmp_path):
     study, not resume the old one (whose final records the old default)."""
     tuner = _bare_tuner(tmp_path)
     try:
-        bucket = search.group_buckets(PRESETS["smoke"])[0]
+        bucket = tuner_buckets.group_buckets(PRESETS["smoke"])[0]
         sp = {"block_n": [16, 32]}
         a = tuner.study_name(bucket, sp, KernelConfig(block_n=16, num_stages=3))
         assert a == tuner.study_name(bucket, sp, KernelConfig(block_n=16, num_stages=3))

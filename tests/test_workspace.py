@@ -100,6 +100,13 @@ def test_size_helper_arguments():
         one_token, splits) > 0
     with pytest.raises(ValueError, match="must equal seq_len_q"):
         size(seq_len_q=2, max_seq_len_q=3)
+    # packed: a non-default seq_len_q is max_seq_len_q's alias, as in the one-shot op
+    assert size(qo_indptr=indptr, seq_len_q=4) == size(qo_indptr=indptr, max_seq_len_q=4)
+    assert size(qo_indptr=indptr, seq_len_q=4, max_seq_len_q=4) == size(qo_indptr=indptr, max_seq_len_q=4)
+    with pytest.raises(ValueError, match="seq_len_q=4 .* disagrees with max_seq_len_q=8"):
+        size(qo_indptr=indptr, seq_len_q=4, max_seq_len_q=8)
+    with pytest.raises(TypeError, match="qo_indptr must be a torch.Tensor"):
+        size(qo_indptr=[0, 1], max_seq_len_q=4)
     with pytest.raises(NotImplementedError, match="kv_layout"):
         size(kv_layout="NHD")
     with pytest.raises(NotImplementedError, match="head_dim"):

@@ -137,15 +137,20 @@ def get_prims_ts_batch_decode_workspace_size(
     capacity (plan's ``max_kv_len``); packed queries (``qo_indptr`` given) need ``max_seq_len_q``.
     A plan given a buffer of this size fits its split count to it."""
     V.validate_kv_layout(kv_layout)
-    if qo_indptr is not None:
-        if max_seq_len_q is None:
-            raise ValueError("packed queries (qo_indptr given) need max_seq_len_q to size the workspace")
-        sq, packed = max_seq_len_q, True
+    seq_len_q = V.require_int("seq_len_q", seq_len_q, minimum=1)
+    if max_seq_len_q is not None:
+        max_seq_len_q = V.require_int("max_seq_len_q", max_seq_len_q, minimum=1)
+    packed = qo_indptr is not None
+    if packed:
+        V.require_tensor("qo_indptr", qo_indptr)
+        sq = V.packed_capacity(seq_len_q, max_seq_len_q)
+        if sq is None:
+            raise ValueError("packed queries (qo_indptr given) need max_seq_len_q (or its alias, a seq_len_q "
+                             "other than 1) to size the workspace")
     else:
-        sq = V.require_int("seq_len_q", seq_len_q, minimum=1)
-        if max_seq_len_q is not None and V.require_int("max_seq_len_q", max_seq_len_q) != sq:
+        sq = seq_len_q
+        if max_seq_len_q is not None and max_seq_len_q != sq:
             raise ValueError(f"in fixed-query mode max_seq_len_q must equal seq_len_q={sq}, got {max_seq_len_q}")
-        packed = False
     if device is None:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     device, shape = plan_problem(device, batch_size, num_qo_heads, num_kv_heads, head_dim, page_size,
@@ -312,6 +317,9 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
         seq_lens = V.validate_lengths_tensor("seq_lens", seq_lens, s.batch_size, plan.device)
         if s.packed:
             qo_indptr = V.validate_qo_indptr(qo_indptr, s.batch_size, plan.device)
+        if s.packed and q.dim() != 3:
+            raise ValueError(f"q must be packed [total_q, Hq, D] (the plan is packed), with total_q at most "
+                             f"B*max_seq_len_q = {plan.query_capacity}; got shape {list(q.shape)}")
         total_q = q.shape[0] if s.packed and q.dim() == 3 else plan.query_capacity
         layout = V.describe_query_layout(s.packed, s.max_seq_len_q)
         q = V.validate_io_tensor("q", q, plan.q_shape(total_q), layout, s.q_dtype, plan.device,

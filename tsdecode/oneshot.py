@@ -65,7 +65,7 @@ def batch_decode_with_paged_kv_cache(
             raise ValueError("validate=False reads nothing on the host only with workspace_buffer, "
                              "max_kv_len and out all given")
     V.validate_kv_layout(kv_layout)
-    kv, (num_pages, num_kv_heads, page_size, head_dim), kv_dtype, _, _ = V.cache_page_shape(paged_kv_cache)
+    kv, (num_pages, num_kv_heads, page_size, head_dim), kv_dtype, cache_device, _ = V.cache_page_shape(paged_kv_cache)
     if out is not None:
         out = V.require_tensor("out", out)
         if out_dtype is not None and out_dtype != out.dtype:
@@ -84,6 +84,9 @@ def batch_decode_with_paged_kv_cache(
                          f"is read as HND ([num_pages, 2, Hkv, P, D] or (K, V) of [num_pages, Hkv, P, D]); "
                          f"an NHD cache ([.., P, Hkv, D]) must be transposed to HND")
     device = q.device
+    if cache_device != device:
+        raise ValueError(f"q is on {device} but paged_kv_cache is on {cache_device}: the op runs on q's device "
+                         f"and needs every tensor there")
     if capture_mode:  # a plan of run-owned lengths, made here (plan() refuses a capture) from host values only
         device, shape = api.plan_problem(device, batch, num_qo_heads, num_kv_heads, head_dim, page_size,
                                          max_kv_len, sq, packed, q.dtype, kv_dtype, out_dtype, mask_type,
@@ -96,7 +99,7 @@ def batch_decode_with_paged_kv_cache(
                 plan.launch.compile(plan.q_shape(plan.query_capacity), stride)
         return api.run_plan(plan, q, paged_kv_cache, seq_lens_kv, block_tables, qo_indptr, bmm1_scale,
                             bmm2_scale, out, validate=False)
-    device = V.validate_device(device, INTERPRETER)
+    device = V.validate_device(device, INTERPRETER, "q.device")
     block_tables = V.validate_block_tables(block_tables, batch, device)
     if isinstance(seq_lens_kv, torch.Tensor) and seq_lens_kv.dim() == 1:
         seq_lens_kv = seq_lens_kv.contiguous()  # read once on the host; the plan keeps its own copy
@@ -130,7 +133,10 @@ def batch_decode_with_paged_kv_cache(
 def _oneshot_batch_size(q, block_tables, seq_lens_kv, qo_indptr, packed: bool) -> int:
     """B as q (or packed qo_indptr), block_tables and seq_lens_kv each give it; a ValueError naming
     every one of them when they disagree (so the caller sees which argument is off)."""
-    if packed and isinstance(qo_indptr, torch.Tensor) and qo_indptr.dim() == 1:
+    if packed:
+        if qo_indptr.dim() != 1:
+            raise ValueError(f"qo_indptr must be 1-D [B+1] (each request's first query token, then total_q), "
+                             f"got shape {list(qo_indptr.shape)}")
         counts = [(qo_indptr.shape[0] - 1, f"qo_indptr has {qo_indptr.shape[0]} offsets (B+1)")]
     else:
         counts = [(q.shape[0], f"q has {q.shape[0]} requests (shape {list(q.shape)})")]
@@ -155,11 +161,7 @@ def _oneshot_query_mode(q: torch.Tensor, seq_len_q, qo_indptr, max_seq_len_q, ca
         V.require_tensor("qo_indptr", qo_indptr)
         if q.dim() != 3:
             raise ValueError(f"packed q (with qo_indptr) must be [total_q, Hq, D], got shape {list(q.shape)}")
-        if seq_len_q != 1:  # a non-default seq_len_q aliases max_seq_len_q
-            if max_seq_len_q is not None and max_seq_len_q != seq_len_q:
-                raise ValueError(f"seq_len_q={seq_len_q} (alias of max_seq_len_q in packed mode) disagrees "
-                                 f"with max_seq_len_q={max_seq_len_q}")
-            max_seq_len_q = seq_len_q
+        max_seq_len_q = V.packed_capacity(seq_len_q, max_seq_len_q)
         if capture_mode and max_seq_len_q is None:
             raise ValueError("packed queries with validate=False need max_seq_len_q (nothing is read on the host)")
         return True, max_seq_len_q

@@ -75,24 +75,47 @@ def validate_kv_layout(kv_layout: object) -> None:
         raise ValueError(f"kv_layout must be 'HND', got {kv_layout!r}")
 
 
+def packed_capacity(seq_len_q: int, max_seq_len_q: int | None) -> int | None:
+    """Packed mode's query-length capacity, ``max_seq_len_q``: a non-default ``seq_len_q`` is its
+    alias and must agree with it when both are given; None when neither gives it."""
+    if seq_len_q == 1:
+        return max_seq_len_q
+    if max_seq_len_q is not None and max_seq_len_q != seq_len_q:
+        raise ValueError(f"seq_len_q={seq_len_q} (alias of max_seq_len_q in packed mode) disagrees "
+                         f"with max_seq_len_q={max_seq_len_q}")
+    return seq_len_q
+
+
 def validate_mask(mask_type: object, window_left: object) -> tuple[bool, int]:
     """(causal, window_left). A window (window_left >= 0) needs the causal mask."""
     if mask_type not in MASK_TYPES:
         raise ValueError(f"mask_type must be one of {MASK_TYPES}, got {mask_type!r}")
     window_left = require_int("window_left", window_left, minimum=-1)
+    if window_left > MAX_KV_LEN:  # a window past every K/V length is no window
+        raise ValueError(f"window_left must be -1 (no window) or at most {MAX_KV_LEN:,} (the longest K/V "
+                         f"length), got {window_left}")
     if window_left >= 0 and mask_type != "causal":
         raise ValueError(f"window_left={window_left} needs mask_type='causal' (a sliding window is "
                          f"defined relative to each row's causal end), got mask_type={mask_type!r}")
     return mask_type == "causal", window_left
 
 
+# The kernels take bmm1_scale * log2(e) (their softmax is in base 2) and bmm2_scale as float32.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+LOG2_E = 1.4426950408889634
+SCALE_LIMITS = {"bmm1_scale": FLOAT32_MAX / LOG2_E, "bmm2_scale": FLOAT32_MAX}
+
+
 def validate_scales(bmm1_scale: object, bmm2_scale: object, head_dim: int) -> tuple[float, float]:
-    """(bmm1_scale, bmm2_scale) as finite floats; bmm1 defaults to 1/sqrt(D)."""
+    """(bmm1_scale, bmm2_scale) as floats the kernels hold finite in float32; bmm1 defaults to
+    1/sqrt(D)."""
     bmm1 = 1.0 / math.sqrt(head_dim) if bmm1_scale is None else require_real("bmm1_scale", bmm1_scale)
     bmm2 = require_real("bmm2_scale", bmm2_scale)
     for name, value in (("bmm1_scale", bmm1), ("bmm2_scale", bmm2)):
-        if not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value}")
+        limit = SCALE_LIMITS[name]
+        if not (math.isfinite(value) and abs(value) <= limit):
+            raise ValueError(f"{name} must be finite and at most {limit:.4g} in magnitude (the kernels hold it "
+                             f"{'times log2(e) ' if name == 'bmm1_scale' else ''}as a float32), got {value}")
     return bmm1, bmm2
 
 
@@ -147,27 +170,28 @@ def resolve_dtypes(q_dtype: object, kv_dtype: object, o_dtype: object,
     return q_dtype, kv_dtype, o_dtype
 
 
-def validate_device(device: object, interpreter: bool) -> torch.device:
-    """The plan's device: a CUDA device, or the CPU under Triton's interpreter."""
+def validate_device(device: object, interpreter: bool, name: str = "device") -> torch.device:
+    """The plan's device: a CUDA device, or the CPU under Triton's interpreter; errors call it
+    ``name``, the argument the caller passed."""
     if isinstance(device, bool) or not isinstance(device, (int, str, torch.device)):
-        raise TypeError(f"device must be an int, str or torch.device, got {type(device).__name__}")
+        raise TypeError(f"{name} must be an int, str or torch.device, got {type(device).__name__}")
     try:
         device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except RuntimeError as e:
-        raise ValueError(f"device {device!r} is not a device: {e}") from None
+        raise ValueError(f"{name} {device!r} is not a device: {e}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device} is a CUDA device, but torch finds none here; on a CPU pass "
+            raise ValueError(f"{name} {device} is a CUDA device, but torch finds none here; on a CPU pass "
                              f"device='cpu' with TRITON_INTERPRET=1 set before triton is imported")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if device.index >= torch.cuda.device_count():
-            raise ValueError(f"device {device} does not exist: torch sees {torch.cuda.device_count()} CUDA "
+            raise ValueError(f"{name} {device} does not exist: torch sees {torch.cuda.device_count()} CUDA "
                              f"device(s)")
         return device
     if device.type == "cpu" and interpreter:
         return device
-    raise ValueError(f"device must be a CUDA device (or the CPU with TRITON_INTERPRET=1 set before "
+    raise ValueError(f"{name} must be a CUDA device (or the CPU with TRITON_INTERPRET=1 set before "
                      f"triton is imported), got {device}")
 
 

@@ -36,8 +36,8 @@ from optuna.trial import TrialState
 from tsdecode.config.tables import TableEntry, table_filename
 from tsdecode.device import DeviceProperties
 
+from .buckets import Bucket, BucketResult, TuneSettings, bucket_space, group_buckets
 from .grids import ShapeSpec
-from .search import Bucket, BucketResult, TuneSettings, bucket_space, group_buckets
 from .space import space_size
 from .study import Heartbeat
 from .table_writer import merge_entries

@@ -31,7 +31,7 @@ from tsdecode import KernelConfig
 from tsdecode.config import tables
 
 from .space import SPACE_FIELDS
-from .table_writer import move_aside
+from .files import move_aside
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import logging
 import os
-import tempfile
-import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -31,6 +28,8 @@ from tsdecode.config import tables
 from tsdecode.config.table_format import FORMAT_VERSION, TableEntry
 from tsdecode.device import DeviceProperties
 
+from .files import atomic_write_text, move_aside
+
 logger = logging.getLogger(__name__)
 
 Entries = Mapping[str, Mapping[tuple[int, int], TableEntry]]
@@ -40,41 +39,6 @@ def table_path(device: DeviceProperties, folder: str | os.PathLike | None = None
     """Where a device's table goes: ``folder`` (default: the user cache folder, which plans search
     after $TSDECODE_CONFIG_DIR) / ``tables.table_filename(device.name)``."""
     return Path(folder if folder is not None else tables.user_config_dir()) / tables.table_filename(device.name)
-
-
-def move_aside(path: Path, tag: str) -> Path:
-    """Rename ``path`` to ``<name>.<tag>-<UTC time>`` (numbered if taken); returns the new path."""
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    target = path.with_name(f"{path.name}.{tag}-{stamp}")
-    n = 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.{tag}-{stamp}-{n}")
-    os.replace(path, target)
-    return target
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, then os.replace: readers see the old file
-    or the new one, never a partial one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a table should be readable like any file
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 def _existing(path: Path, device: DeviceProperties) -> tuple[dict, str | None]:

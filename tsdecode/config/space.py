@@ -39,8 +39,8 @@ class KernelConfig:
     num_kv_splits: programs that share one request's K/V sequence (split-KV / flash-decoding);
                    > 1 adds a merge kernel and fp32 partial outputs.
     num_warps:     warps per program.
-    num_stages:    software-pipelining depth of the K/V loop (triton keeps one K/V tile per
-                   program in flight at 2-4 stages and two at 5).
+    num_stages:    software-pipelining depth of the K/V loop: S - 1 tiles loading ahead, each in
+                   flight about half the time (the config model counts (S - 1) / 2 tiles).
     """
 
     block_n: int = 64

@@ -1,0 +1,177 @@
+"""What the search works on and hands back: buckets (the shapes of one study), the settings of a
+run, a bucket's result and its summary table, and what the device's table already holds for a
+bucket. How a bucket is searched is ``tuner.search``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from tsdecode import KernelConfig
+from tsdecode.config import tables
+from tsdecode.config.heuristic import heuristic_config
+from tsdecode.config.space import ProblemShape
+from tsdecode.device import DeviceProperties
+
+from .grids import ShapeSpec
+from .space import SpaceLimits, build_space, config_text
+
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """The shapes of one (problem class, bucket) study."""
+
+    class_key: str
+    bucket: tuple[int, int]
+    specs: tuple[ShapeSpec, ...]
+
+    @property
+    def representative(self) -> ShapeSpec:
+        """The shape the space and the default are built for: the largest of the bucket."""
+        return max(self.specs, key=lambda s: (s.kv_len, s.batch_size))
+
+    @property
+    def shape(self) -> ProblemShape:
+        return self.representative.to_problem_shape()
+
+    @property
+    def label(self) -> str:
+        names = ",".join(s.name for s in self.specs)
+        return names if len(names) <= 60 else f"{self.specs[0].name} (+{len(self.specs) - 1})"
+
+    @property
+    def key(self) -> str:
+        """The bucket in job records and progress lines: ``<class key>|B<b>_L<l>``."""
+        return f"{self.class_key}|B{self.bucket[0]}_L{self.bucket[1]}"
+
+
+def group_buckets(specs: Iterable[ShapeSpec]) -> list[Bucket]:
+    groups: dict[tuple[str, tuple[int, int]], list[ShapeSpec]] = {}
+    for spec in specs:
+        key = (tables.problem_class_key(spec.to_problem_shape()), tables.bucket_of(spec.batch_size, spec.kv_len))
+        groups.setdefault(key, []).append(spec)
+    return [Bucket(k, b, tuple(v)) for (k, b), v in groups.items()]
+
+
+@dataclass
+class TuneSettings:
+    trials: int = 48
+    time_budget: float | None = None  # seconds for the whole run (None: no limit)
+    seed: int = 0
+    top_k: int = 3
+    retime_rounds: int = 5
+    trial_timeout: float = 300.0
+    lookahead: int = 1  # trials asked ahead (precompiled while another is measured)
+    limits: SpaceLimits = field(default_factory=SpaceLimits)
+    timing: str = "cuda-graph"  # or "wall" (interpreter)
+    replay_ms: float = 80.0
+    check_requests: int = 2
+
+    def study_fields(self) -> dict[str, Any]:
+        """What a study's measurements depend on (budgets excluded: a rerun with a larger
+        --trials continues the same studies)."""
+        return {"seed": self.seed, "limits": self.limits.to_dict(), "timing": self.timing,
+                "replay_ms": self.replay_ms, "check_requests": self.check_requests}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "limits": self.limits.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TuneSettings":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        limits = {k: (tuple(v) if v is not None else None) for k, v in (data.get("limits") or {}).items()}
+        values["limits"] = SpaceLimits(**limits)
+        return cls(**values)
+
+
+@dataclass
+class BucketResult:
+    bucket: Bucket
+    study_name: str
+    ok: bool
+    winner: KernelConfig | None = None
+    time_us: float | None = None
+    bandwidth_gbs: float | None = None
+    fraction_of_copy: float | None = None
+    default: KernelConfig | None = None
+    default_time_us: float | None = None
+    default_bandwidth_gbs: float | None = None
+    kept_default: bool = False
+    noise: float | None = None
+    measured: int = 0
+    pruned: int = 0
+    note: str = ""
+    resumed: bool = False
+    pending: bool = False  # other workers still hold trials of the bucket
+    cut_short: bool = False  # the time budget ended the search before --trials configs
+
+    @property
+    def speedup(self) -> float | None:
+        return self.default_time_us / self.time_us if self.time_us and self.default_time_us else None
+
+    @classmethod
+    def from_final(cls, bucket: Bucket, name: str, final: dict[str, Any], resumed: bool = False) -> "BucketResult":
+        """The result a study's "final" attribute records."""
+        if not final.get("ok"):
+            return cls(bucket, name, False, measured=final.get("measured", 0), pruned=final.get("pruned", 0),
+                       note=final.get("note", ""), resumed=resumed)
+        return cls(bucket, name, True, KernelConfig(**final["winner"]), final["time_us"], final["bandwidth_gbs"],
+                   final["fraction_of_copy"], KernelConfig(**final["default"]), final["default_time_us"],
+                   final["default_bandwidth_gbs"], final["kept_default"], final["noise"], final["measured"],
+                   final["pruned"], final.get("note", ""), resumed=resumed, cut_short=final.get("cut_short", False))
+
+
+def summary_table(results: Sequence[BucketResult]) -> str:
+    """Best config per bucket, its speedup over the heuristic default, fraction of copy bandwidth."""
+    head = ("bucket (B,L)", "shape(s)", "best config", "us", "default us", "speedup", "% copy", "trials")
+    rows = []
+    for r in results:
+        trials = f"{r.measured} ({r.pruned} pruned)" + (", time ran out" if r.cut_short else "")
+        if r.ok:
+            frac = f"{100 * r.fraction_of_copy:.0f}%" if r.fraction_of_copy is not None else "-"
+            best = config_text(r.winner) + (" (default)" if r.kept_default else "")
+            rows.append((str(r.bucket.bucket), r.bucket.label, best, f"{r.time_us:.2f}",
+                         f"{r.default_time_us:.2f}", f"{r.speedup:.2f}x", frac, trials))
+        else:
+            what = "not finished" if r.pending else f"FAILED: {r.note}"
+            rows.append((str(r.bucket.bucket), r.bucket.label, what[:60], "-", "-", "-", "-", trials))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
+
+
+def bucket_space(bucket: Bucket, device: DeviceProperties, limits: SpaceLimits):
+    """(heuristic default, search space) of ``bucket`` on ``device``."""
+    default = heuristic_config(bucket.shape, device)
+    return default, build_space(bucket.shape, device.sm_count, limits, default)
+
+
+def stale_buckets(table_path: Path, buckets: Sequence[Bucket], device: DeviceProperties) -> list[Bucket]:
+    """The buckets whose entry the table lacks, or holds timed against another default than the
+    heuristic gives today (a tsdecode upgrade that changed the heuristic), or with another kernel
+    or triton major version; re-tuning just these keeps "tuned never slower than the heuristic"
+    true for the whole table."""
+    table = tables.load_table(table_path) if table_path.exists() else None
+    if table is None or table.stale:
+        return list(buckets)
+    return [b for b in buckets if (entry := table.entries.get(b.class_key, {}).get(b.bucket)) is None
+            or entry.default_config != heuristic_config(b.shape, device)]
+
+
+def table_winners(table_path: Path, buckets: Sequence[Bucket], device: DeviceProperties,
+                  limits: SpaceLimits) -> dict[str, dict[str, int]]:
+    """Per bucket key, the winner the table already holds (when it lies in today's space): a new
+    study measures it right after the default, so a re-tune cannot lose what the last one found."""
+    table = tables.load_table(table_path) if table_path.exists() else None
+    out = {}
+    for b in buckets:
+        entry = table.entries.get(b.class_key, {}).get(b.bucket) if table else None
+        if entry is None:
+            continue
+        _, space = bucket_space(b, device, limits)
+        if all(getattr(entry.kernel_config, k) in v for k, v in space.items()):
+            out[b.key] = entry.kernel_config.to_dict()
+    return out

@@ -1,0 +1,198 @@
+"""The flags of ``tsdecode-tune``'s subcommands (``report`` has its own, in ``tuner.report``),
+and TUNE_WORDS, the plain-words glossary their help prints."""
+
+from __future__ import annotations
+
+import argparse
+
+from .arguments import PROG, Parser, UsageError, int_list_type, nonnegative_int, positive_float, positive_int
+
+
+# The words of tune's help and output, once in plain words (the tune and create --help).
+TUNE_WORDS = (
+    "Words: a bucket is a group of the grid's shapes tuned together and given one table entry (same dtypes, "
+    "heads, head dim, page size, query mode and mask; batch size and K/V length rounded up to the same powers "
+    "of two). Each bucket is searched by one Optuna study: a series of trials, each measuring one kernel "
+    "config. Where the space is too large to try every config, the next configs are proposed by TPE, Optuna's "
+    "default sampler, from the times measured so far. The finalists are the best configs of a bucket, re-timed "
+    "against the heuristic default at the end. The measuring process is the child process that runs and times "
+    "the candidates (restarted after a crash or timeout); it is not the 'worker' subcommand.")
+
+
+def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool, run: bool = True) -> None:
+    """tune's flags; without ``run`` (create) only those the job records: the grid, the search and
+    the measurement settings, --storage and --job, none of the device or output flags of a run."""
+    from .grids import add_grid_arguments
+
+    add_grid_arguments(p)
+    s = p.add_argument_group("search")
+    s.add_argument("--trials", type=positive_int, default=4 if cpu else 48,
+                   help="configs measured per bucket (duplicates after fitting to the shape do not count; "
+                        "default %(default)s)")
+    s.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
+                   help="wall-clock budget of the whole search, shared evenly by the buckets still to tune")
+    s.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
+    s.add_argument("--top-k", type=nonnegative_int, default=3,
+                   help="best configs of a bucket (the finalists) re-timed against the default at the end "
+                        "(default %(default)s)")
+    s.add_argument("--retime-rounds", type=positive_int, default=2 if cpu else 5,
+                   help="interleaved re-timing rounds (default %(default)s)")
+    if run:
+        s.add_argument("--stale-only", action="store_true",
+                       help="tune only the grid's buckets that the table lacks or holds timed against another "
+                            "heuristic default or kernel than today's (e.g. after upgrading tsdecode)")
+    for name in ("block_n", "block_m", "num_kv_splits", "num_warps", "num_stages"):
+        s.add_argument(f"--{name.replace('_', '-')}", type=int_list_type, default=None, metavar="LIST",
+                       help=f"restrict KernelConfig.{name} to these values (default: those that can be "
+                            "valid for each shape)")
+    m = p.add_argument_group("measurement")
+    if run:
+        m.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+        m.add_argument("--devices", default=None, metavar="SPEC",
+                       help="one worker process per device, all sharing the job's studies: 'all' (every visible "
+                            "GPU), GPU indices like 0,1,3, or cpu:N (N interpreter workers, without a GPU)")
+    m.add_argument("--trial-timeout", type=positive_float, default=900.0 if cpu else 300.0, metavar="SECONDS",
+                   help="per-candidate limit; a candidate past it is pruned and the measuring process restarted "
+                        "(default %(default)s)")
+    m.add_argument("--replay-ms", type=positive_float, default=80.0,
+                   help="CUDA-graph replay time per measurement (default %(default)s)")
+    m.add_argument("--check-requests", type=positive_int, default=2,
+                   help="requests checked against the float64 reference on GPU (default %(default)s; CPU "
+                        "checks all)")
+    if run:
+        m.add_argument("--compile-workers", type=nonnegative_int, default=None,
+                       help="processes precompiling candidates while others are measured, per worker (default: "
+                            "min(8, CPUs - 4) on one GPU, (CPUs - 2 - 2 x workers) / workers with --devices; 0 on "
+                            "CPU; 0 disables)")
+    m.add_argument("--heartbeat-grace", type=positive_float, default=None, metavar="SECONDS",
+                   help="a running trial whose worker shows no sign of life for this long is failed and queued "
+                        "again (with an SQL database storage, i.e. PostgreSQL or SQLite (Optuna's RDB storage); a "
+                        "journal file has no heartbeats; this host's dead workers are noticed at once; default: 2 x "
+                        "--trial-timeout)")
+    if run:
+        add_run_arguments(m)
+    o = p.add_argument_group("output" if run else "job")
+    if run:
+        o.add_argument("--out", default=None, metavar="DIR",
+                       help="folder for the table, trial log/CSV and study DB (default: the table in the user "
+                            "cache folder, where plans find it, and the rest beside it in tuning/)")
+        storage = ("Optuna storage: a journal file (a path ending in .journal; the default is <work folder>/"
+                   "<device>_study.journal), sqlite:///FILE.db, or postgresql://USER@HOST:PORT/DB to let workers of "
+                   "other hosts join")
+    else:
+        storage = ("required: the storage the workers share: a journal file (a path ending in .journal; one "
+                   "host), sqlite:///FILE.db, or postgresql://USER@HOST:PORT/DB")
+    o.add_argument("--storage", default=None, help=storage)
+    o.add_argument("--job", default=None, metavar="NAME",
+                   help=f"the job's name in the storage (default: run-<hash of the grid, settings"
+                        f"{' and GPU model' if run else ''}>); other hosts join it with: tsdecode-tune worker "
+                        "--storage URL --job NAME")
+    if run:
+        o.add_argument("--no-progress", action="store_true", help="no progress bars/lines")
+
+
+def add_run_arguments(p) -> None:
+    """--isolation and --inject-hook: how a tune or worker process measures."""
+    p.add_argument("--isolation", choices=("process", "inline"), default="process",
+                   help="measure in a separate measuring process, restarted after a crash or timeout "
+                        "(default), or in this process")
+    p.add_argument("--inject-hook", default=None, metavar="MODULE:FUNC",
+                   help="testing: call FUNC(stage, spec, config, out=None) at the stages compile, plan, output "
+                        "and time (a number returned at time replaces the measured time in us); raising fails "
+                        "the candidate")
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage", required=True, help="the job's study storage (URL or journal file)")
+    p.add_argument("--job", required=True, metavar="NAME", help="the job to join")
+    p.add_argument("--devices", default=None, metavar="SPEC",
+                   help="one worker per device of this host: all, 0,1,3 or cpu:N (default: one worker on the "
+                        "default device)")
+    p.add_argument("--compile-workers", type=nonnegative_int, default=None,
+                   help="compile processes per worker (default as for tune)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder for this host's trial log (default: the user cache folder's tuning/)")
+    add_run_arguments(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars/lines")
+    p.add_argument("--device", default=None, help=argparse.SUPPRESS)  # a supervisor's worker: its device
+    p.add_argument("--label", default=None, help=argparse.SUPPRESS)  # ... and its name in messages
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage", required=True, help="the job's study storage (URL or journal file)")
+    p.add_argument("--job", required=True, metavar="NAME", help="the job whose table to write")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="folder of the table (default: the user cache folder, where plans find it)")
+
+
+def add_create_arguments(p: argparse.ArgumentParser, cpu: bool) -> None:
+    add_tune_arguments(p, cpu, run=False)
+    p.add_argument("--for", dest="kind", choices=("gpu", "cpu"), default="gpu",
+                   help="the workers' device kind: its defaults and timing method (default %(default)s)")
+
+
+def add_explain_arguments(p: argparse.ArgumentParser) -> None:
+    from .grids import DTYPES
+
+    names = ", ".join(DTYPES)
+    p.add_argument("--batch-size", type=positive_int, required=True, help="requests in the batch")
+    p.add_argument("--kv-len", type=positive_int, required=True, help="K/V tokens of the longest request")
+    p.add_argument("--heads", default="32:8", help="query heads:K/V heads, HQ:HKV (default %(default)s)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="size of one head (default %(default)s)")
+    p.add_argument("--page-size", type=positive_int, default=16,
+                   help="tokens per page of the K/V cache (default %(default)s)")
+    p.add_argument("--seq-len-q", type=positive_int, default=1,
+                   help="query tokens per request; with --packed the most a request has (default %(default)s)")
+    p.add_argument("--packed", action="store_true",
+                   help="packed queries: requests have different numbers of query tokens (qo_indptr)")
+    p.add_argument("--mask", choices=("dense", "causal"), default="dense",
+                   help="dense: every query token sees all K/V tokens; causal: only those up to its own "
+                        "position (default %(default)s)")
+    p.add_argument("--window-left", type=int, default=-1,
+                   help="sliding window, with --mask causal: each query token sees itself and at most this many "
+                        "K/V tokens before it (default %(default)s: no window)")
+    p.add_argument("--q-dtype", default="bfloat16", help=f"query dtype: one of {names} (default %(default)s)")
+    p.add_argument("--kv-dtype", default=None, help=f"K/V cache dtype: one of {names} (default: as --q-dtype)")
+    p.add_argument("--o-dtype", default=None, help=f"output dtype: one of {names} (default: as --q-dtype)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("--config-dir", default=None, help="table file or folder searched first")
+
+
+def build_parser(cpu: bool) -> argparse.ArgumentParser:
+    parser = Parser(prog=PROG, description="Tune tsdecode's decode kernel on this device and write its config "
+                    "table. The default subcommand is 'tune' (tsdecode-tune tune --help: its flags, and the "
+                    "words its output uses).",
+                    epilog="Examples: tsdecode-tune --preset llama3-8b --time-budget 300 | "
+                           "tsdecode-tune explain --batch-size 8 --kv-len 8192 | tsdecode-tune report --help")
+    sub = parser.add_subparsers(dest="command", metavar="{tune,worker,export,create,explain,report}",
+                                parser_class=Parser)
+    add_tune_arguments(sub.add_parser("tune", help="search configs and write the table (default)",
+                                      description=TUNE_WORDS), cpu)
+    add_worker_arguments(sub.add_parser("worker", help="join a job in a shared storage and tune its studies"))
+    add_export_arguments(sub.add_parser("export", help="write a job's table from its storage (also partial)"))
+    add_create_arguments(sub.add_parser("create", help="define a job in a storage for workers to run",
+                                        description="Define a job (the grid and the search and measurement settings) "
+                                                    "in a storage, for workers to run: tsdecode-tune worker --storage "
+                                                    "URL --job NAME. The device and output flags are the workers'. "
+                                                    + TUNE_WORDS), cpu)
+    add_explain_arguments(sub.add_parser("explain", help="which table entry and config a shape gets"))
+    sub.add_parser("report", help="benchmark reports (see tsdecode-tune report --help)", add_help=False)
+    return parser
+
+
+def unknown_flags(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> UsageError:
+    """The usage error for arguments ``command`` does not take; for a flag another subcommand
+    takes (create has no device or output flags), which one."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("--"):
+            continue
+        others = [name for name, p in sub.choices.items() if name != command and any(
+            flag in a.option_strings and a.help != argparse.SUPPRESS for a in p._actions)]
+        if others:
+            owners = " and ".join([", ".join(others[:-1]), others[-1]] if len(others) > 1 else others)
+            why = ("; create only defines the job: the workers that run it choose their device and output"
+                   if command == "create" else "")
+            return UsageError(f"{PROG} {command}: error: {flag} is a flag of {owners}, not of {command}{why}")
+    return UsageError(f"{PROG}: error: unrecognized arguments: {' '.join(extra)}")
