@@ -82,6 +82,19 @@ def test_explain_a_heuristic_pick(tmp_path):
     assert "SQ=5 packed" in packed and ",sq=packed," in packed
 
 
+def test_explain_names_an_entry_skipped_as_invalid_and_why_a_file_is_unusable(tmp_path):
+    path = write_table(tmp_path / "skipped", KernelConfig())
+    data = json.loads(path.read_text())
+    data["entries"][KEY][0]["kernel_config"]["block_n"] = 0
+    path.write_text(json.dumps(data))
+    text = tsdecode.explain(64, 6000, 32, 8, 128, config_dir=tmp_path / "skipped")
+    assert f"    {path}: entry skipped: KernelConfig.block_n must be one of" in text and "got 0" in text
+    assert "no entry for this class" not in text and "source: heuristic" in text
+    path.write_text('{"format_version": 1, "entries": {')
+    text = tsdecode.explain(64, 6000, 32, 8, 128, config_dir=tmp_path / "skipped")
+    assert f"    {path}: unusable (Expecting" in text
+
+
 def test_explain_on_the_cpu_names_the_cpu():
     set_override(None)
     text = tsdecode.explain(1, 10, 8, 8, 128, device="cpu")
@@ -101,6 +114,8 @@ def test_explain_on_the_cpu_names_the_cpu():
     (dict(page_size=0), ValueError, "page_size"),
     (dict(page_size=4096), NotImplementedError, "page_size"),
     (dict(seq_len_q=0), ValueError, "seq_len_q"),
+    (dict(kv_len=2**31), NotImplementedError, "kv_len must be <= 2147483392"),
+    (dict(batch_size=2**20, seq_len_q=2**7), NotImplementedError, r"B\*SQ\*Hq"),
     (dict(packed="yes"), TypeError, "packed"),
     (dict(mask_type="sliding"), ValueError, "mask_type"),
     (dict(window_left=64), ValueError, "window_left"),

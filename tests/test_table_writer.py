@@ -169,6 +169,25 @@ def test_merge_moves_an_unusable_table_aside(damage, tmp_path, caplog):
     assert str(aside) in msg
 
 
+def test_merge_moves_aside_a_fifo_named_like_the_table(tmp_path, caplog):
+    """Reading a FIFO would block the tuner's last step for ever: it is no table."""
+    path = tmp_path / tables.table_filename(H200.name)
+    os.mkfifo(path)
+    done = threading.Event()
+
+    def merge():
+        merge_entries(path, H200, {KEY: {(1, 64): make_entry(8)}}, {})
+        done.set()
+
+    threading.Thread(target=merge, daemon=True).start()
+    assert done.wait(30), "merge_entries blocked on the FIFO"
+    assert set(tables.load_table(path).entries[KEY]) == {(1, 64)}
+    [aside] = tmp_path.glob(f"{path.name}.corrupt-*")
+    assert not aside.is_file()
+    [msg] = messages(caplog)
+    assert "not a regular file" in msg and str(aside) in msg
+
+
 def test_a_failed_write_leaves_the_old_table_and_no_temp_file(tmp_path, monkeypatch):
     path = write(tmp_path)
     before = path.read_bytes()

@@ -17,6 +17,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -381,7 +382,6 @@ def test_resume_after_kill_loses_and_repeats_nothing(tmp_path):
     finally:
         proc.kill()  # SIGKILL: no cleanup, like a crash
         proc.wait()
-        proc.stderr.close()
     worker = {"host": study.host_key(), "pid": _records(out, "run")[0]["worker_pid"], "start": None}
     for _ in range(100):  # the worker exits when its pipe closes (it may stay a zombie: gone too)
         if study.stamp_alive(worker) is False:
@@ -389,6 +389,9 @@ def test_resume_after_kill_loses_and_repeats_nothing(tmp_path):
         time.sleep(0.1)
     else:
         os.kill(worker["pid"], signal.SIGKILL)
+    err = proc.stderr.read().decode()  # the measuring process shares it: it left quietly
+    proc.stderr.close()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
     before = _records(out)
     assert 4 <= len(before) and not _records(out, "final")
 
@@ -507,6 +510,44 @@ def test_result_log_skips_damaged_lines(tmp_path):
     path = tmp_path / "log.jsonl"
     path.write_bytes(b'{"kind": "run"}\n\xff\xfe junk\n5\n[1]\n{"kind": "trial", "tri\n{"kind": "final"}\n')
     assert study.ResultLog.read(path) == [{"kind": "run"}, {"kind": "final"}]
+
+
+@cpu_only
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """timeout, Slurm, docker stop and systemd send SIGTERM: the run says so at once, writes the
+    buckets it finished, exits 130 without a traceback, and a second signal breaks nothing."""
+    out = tmp_path / "term"
+    args = [*TINY, "--batch-sizes", "1,3", "--trials", "4", "--block-m", "2,16", "--num-kv-splits", "1,2",
+            "--num-warps", "4", "--num-stages", "2", "--out", str(out), *FAST]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TRITON_INTERPRET": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tuner", *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:  # the first bucket final, the second begun
+            if out.exists() and list(out.glob("*_trials.jsonl")) and _records(out, "final") and \
+                    len(_records(out)) > len(_records(out, "final")) + 4:
+                break
+            assert proc.poll() is None, proc.stderr.read().decode()
+            time.sleep(0.05)
+        else:
+            pytest.fail("the first bucket did not finish in time")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)  # impatient: must not break the writing
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    err = stderr.decode()
+    assert proc.returncode == 130, err
+    assert "interrupted: stopping the measuring process and writing the finished buckets" in err
+    assert "finished trials are saved" in err and "Traceback" not in err, err
+    finals = {r["study"] for r in _records(out, "final")}
+    table = tables.load_table(study.OutputPaths.for_device(CPU.name, out).table)
+    assert table is not None and sum(len(b) for b in table.entries.values()) == len(finals) >= 1
 
 
 @cpu_only
@@ -777,6 +818,112 @@ def test_cli_out_that_is_a_file_exits_2_before_anything_starts(tmp_path, capsys)
 
 
 @cpu_only
+def test_cli_out_that_cannot_be_written_exits_2_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """A folder that exists but refuses new files (read-only, or another user's): one line."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+
+    def refuse(*args, dir=None, **kwargs):
+        if Path(dir) == locked:
+            raise PermissionError(13, "Permission denied")
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    real_mkstemp = tempfile.mkstemp
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    assert main([*TINY, "--out", str(locked), "--isolation", "inline"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {locked}: cannot write in the folder (Permission denied)" in err
+    assert "Traceback" not in err and "device:" not in err
+    assert list(locked.iterdir()) == []
+
+
+@cpu_only
+def test_cli_out_holding_another_devices_table_exits_2_before_tuning(tmp_path, capsys):
+    """The merge at the end would refuse the file: say so before any candidate is measured."""
+    out = tmp_path / "out"
+    target = study.OutputPaths.for_device(CPU.name, out).table
+    other = DeviceProperties("Other CPU", CPU.sm_count, CPU.compute_capability)
+    merge_entries(target, other, {}, {})
+    before = target.read_bytes()
+    assert main([*TINY, "--trials", "1", "--out", str(out), "--isolation", "inline", *FAST]) == 2
+    err = capsys.readouterr().err
+    assert f"{target} holds the table of 'Other CPU', not of '{CPU.name}'" in err
+    assert "Traceback" not in err and "measured" not in err
+    assert target.read_bytes() == before
+
+
+def test_a_time_budget_too_small_to_search_is_named():
+    """A bucket stops searching its share's re-timing reserve before the share ends: a share no
+    longer than that measures the default only, and a rerun would not get further either."""
+    settings = tuner_buckets.TuneSettings(time_budget=10, timing="wall", top_k=3, retime_rounds=2)
+    assert settings.retime_reserve_s() == 4 * (2 * 0.5 + 0.5)
+    warning = settings.budget_warning(4)
+    assert "leaves each of the 4 buckets about 2.5 s, no more than the 6.0 s" in warning
+    assert "--time-budget 48 or more" in warning
+    assert tuner_buckets.TuneSettings(time_budget=48, timing="wall", top_k=3, retime_rounds=2).budget_warning(4) is None
+    assert tuner_buckets.TuneSettings().budget_warning(4) is None
+
+
+@cpu_only
+def test_a_corrupt_table_in_out_is_reported_once(tmp_path, capsys, caplog):
+    """The tuner moves an unusable table aside and says so; the runtime's own warning about the
+    same file (with its advice to re-tune) must not come on top."""
+    out = tmp_path / "out"
+    target = study.OutputPaths.for_device(CPU.name, out).table
+    target.parent.mkdir(parents=True)
+    target.write_text('{"format_version": 1, "entr')
+    tables.clear_cache()
+    assert main([*TINY, "--trials", "1", "--out", str(out), "--isolation", "inline", *FAST]) == 0
+    said = capsys.readouterr().err + "\n".join(r.getMessage() for r in caplog.records)
+    assert said.count(f"tuned config table {target}") == 1, said
+    assert "moved aside" in said
+    assert tables.load_table(target) is not None  # written afresh
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--head-dim", "65"], "--head-dim must be one of"),
+    (["--page-size", "5000"], "--page-size must be in [1, 1024], got 5000"),
+    (["--kv-len", "3000000000"], "--kv-len must be <= 2147483392"),
+    (["--heads", "4:3"], "--heads 4:3: HQ and HKV must be positive, HQ a multiple of HKV"),
+    (["--window-left", "5"], "--window-left 5 needs --mask causal"),
+    (["--q-dtype", "float32"], "--q-dtype torch.float32 is not supported"),
+    (["--device", "tpu"], "--device tpu: expected cuda, cuda:N or cpu"),
+    (["--device", "cpu:3"], "--device cpu:3: expected cuda, cuda:N or cpu"),
+])
+def test_explain_errors_name_the_flags_typed(flags, message, capsys):
+    args = ["explain", "--batch-size", "1", "--kv-len", "10", *flags]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert err.startswith("tsdecode-tune"), err
+
+
+@cpu_only
+def test_a_missing_grid_file_is_named(tmp_path, capsys):
+    missing = tmp_path / "nope.toml"
+    assert main(["--grid-file", str(missing)]) == 2
+    assert f"--grid-file {missing}: cannot be read (No such file or directory)" in capsys.readouterr().err
+
+
+def test_an_empty_job_name_is_refused(tmp_path, capsys):
+    assert main(["create", "--storage", str(tmp_path / "s.journal"), "--job", "", *TINY]) == 2
+    assert "bad job name ''" in capsys.readouterr().err
+
+
+def test_the_closing_lines_say_when_the_config_dir_shadows_the_new_table(tmp_path, monkeypatch):
+    from tuner.cli import where_the_table_is_used
+
+    table = tables.user_config_dir() / "cpu_Triton_interpreter.json"
+    spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    monkeypatch.delenv(tables.CONFIG_DIR_ENV, raising=False)
+    assert where_the_table_is_used(table, spec)[1].startswith("plans on this device use it from now on")
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(tmp_path))
+    line = where_the_table_is_used(table, spec)[1]
+    assert line.startswith(f"plans on this device use it except for buckets that $TSDECODE_CONFIG_DIR={tmp_path} "
+                           "(searched first) also holds")
+
+
+@cpu_only
 def test_cli_empty_grid_file(tmp_path, capsys):
     grid = tmp_path / "grid.toml"
     grid.write_text("# no [[grid]] tables\n")
@@ -954,7 +1101,11 @@ def test_stale_only_tunes_just_the_buckets_timed_against_another_default(tmp_pat
     # Everything up to date now: a second run tunes nothing and leaves the table alone.
     before = paths.table.read_bytes()
     assert main(args) == 0
-    assert "--stale-only: 2 of 2 buckets up to date" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "--stale-only: 2 of 2 buckets up to date" in captured.err
+    assert f"nothing to tune: every bucket of the grid is up to date in {paths.table}" in captured.err
+    assert f"table: {paths.table}" in captured.err and "plans do not search" in captured.err
+    assert "buckets tuned" not in captured.err and "best config" not in captured.out
     assert paths.table.read_bytes() == before
 
 

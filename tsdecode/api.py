@@ -77,21 +77,16 @@ def plan_problem(device, batch_size, num_qo_heads, num_kv_heads, head_dim, page_
                  names=("q_data_type", "kv_data_type", "o_data_type")) -> tuple[torch.device, ProblemShape]:
     """Validate the plan arguments into a device and a ProblemShape (kv_len_spread 1)."""
     device = V.validate_device(device, INTERPRETER)
-    batch_size = V.require_int("batch_size", batch_size, minimum=1)
+    V.require_int("batch_size", batch_size, minimum=1)
     num_qo_heads, num_kv_heads, head_dim, page_size = V.validate_heads(num_qo_heads, num_kv_heads,
                                                                        head_dim, page_size)
-    max_kv_len = V.require_int("max_kv_len", max_kv_len, minimum=1)
-    if max_kv_len > V.MAX_KV_LEN:
-        raise NotImplementedError(f"max_kv_len must be <= {V.MAX_KV_LEN}, got {max_kv_len}")
-    max_seq_len_q = V.require_int("max_seq_len_q", max_seq_len_q, minimum=1)
+    batch_size, max_kv_len, max_seq_len_q = V.validate_sizes(batch_size, max_kv_len, max_seq_len_q, num_qo_heads)
     packed = V.require_bool("packed_query", packed_query)
     causal, window_left = V.validate_mask(mask_type, window_left)
     q_dtype, kv_dtype, o_dtype = V.resolve_dtypes(q_data_type, kv_data_type, o_data_type, names)
     if device.type == "cuda":
         V.validate_dtypes_on_gpu(device_properties(device).compute_capability,
                                  tuple(zip(names, (q_dtype, kv_dtype, o_dtype))))
-    if batch_size * max_seq_len_q * num_qo_heads >= 2**31:
-        raise NotImplementedError(f"B*SQ*Hq = {batch_size}*{max_seq_len_q}*{num_qo_heads} must fit in int32")
     shape = ProblemShape(
         batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         page_size=page_size, max_kv_len=max_kv_len, max_seq_len_q=max_seq_len_q, packed=packed,

@@ -119,6 +119,20 @@ def validate_scales(bmm1_scale: object, bmm2_scale: object, head_dim: int) -> tu
     return bmm1, bmm2
 
 
+def validate_sizes(batch_size: object, max_kv_len: object, max_seq_len_q: object, num_qo_heads: int,
+                   names: tuple[str, str, str] = ("batch_size", "max_kv_len", "max_seq_len_q")) -> tuple[int, int, int]:
+    """(batch_size, max_kv_len, max_seq_len_q) as ints the kernels index in int32; ``names``: what
+    the caller called them."""
+    batch_size = require_int(names[0], batch_size, minimum=1)
+    max_kv_len = require_int(names[1], max_kv_len, minimum=1)
+    if max_kv_len > MAX_KV_LEN:
+        raise NotImplementedError(f"{names[1]} must be <= {MAX_KV_LEN}, got {max_kv_len}")
+    max_seq_len_q = require_int(names[2], max_seq_len_q, minimum=1)
+    if batch_size * max_seq_len_q * num_qo_heads >= 2**31:
+        raise NotImplementedError(f"B*SQ*Hq = {batch_size}*{max_seq_len_q}*{num_qo_heads} must fit in int32")
+    return batch_size, max_kv_len, max_seq_len_q
+
+
 def validate_heads(num_qo_heads: object, num_kv_heads: object, head_dim: object,
                    page_size: object) -> tuple[int, int, int, int]:
     """(num_qo_heads, num_kv_heads, head_dim, page_size) as ints."""

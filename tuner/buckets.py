@@ -16,6 +16,7 @@ from tsdecode.device import DeviceProperties
 
 from .grids import ShapeSpec
 from .space import SpaceLimits, build_space, config_text
+from .table_writer import readable_table
 
 
 
@@ -77,6 +78,24 @@ class TuneSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "limits": self.limits.to_dict()}
+
+    def retime_reserve_s(self) -> float:
+        """Seconds a bucket keeps back from its --time-budget share to re-time its finalists
+        against the default: the search stops this long before the share ends."""
+        per = self.replay_ms / 1000.0 + 0.1 if self.timing == "cuda-graph" else 0.5
+        return (self.top_k + 1) * (self.retime_rounds * per + 0.5)
+
+    def budget_warning(self, num_buckets: int) -> str | None:
+        """A warning when --time-budget leaves a bucket no time to search past the default."""
+        if self.time_budget is None or num_buckets < 1:
+            return None
+        share, reserve = self.time_budget / num_buckets, self.retime_reserve_s()
+        if share > reserve:
+            return None
+        return (f"warning: --time-budget {self.time_budget:g} leaves each of the {num_buckets} buckets about "
+                f"{share:.1f} s, no more than the {reserve:.1f} s that re-timing its finalists takes: those "
+                f"buckets measure the heuristic default only; --time-budget {2 * reserve * num_buckets:.0f} or "
+                "more leaves each as long again to search")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TuneSettings":
@@ -154,7 +173,7 @@ def stale_buckets(table_path: Path, buckets: Sequence[Bucket], device: DevicePro
     heuristic gives today (a tsdecode upgrade that changed the heuristic), or with another kernel
     or triton major version; re-tuning just these keeps "tuned never slower than the heuristic"
     true for the whole table."""
-    table = tables.load_table(table_path) if table_path.exists() else None
+    table = readable_table(table_path)
     if table is None or table.stale:
         return list(buckets)
     return [b for b in buckets if (entry := table.entries.get(b.class_key, {}).get(b.bucket)) is None
@@ -165,7 +184,7 @@ def table_winners(table_path: Path, buckets: Sequence[Bucket], device: DevicePro
                   limits: SpaceLimits) -> dict[str, dict[str, int]]:
     """Per bucket key, the winner the table already holds (when it lies in today's space): a new
     study measures it right after the default, so a re-tune cannot lose what the last one found."""
-    table = tables.load_table(table_path) if table_path.exists() else None
+    table = readable_table(table_path)
     out = {}
     for b in buckets:
         entry = table.entries.get(b.class_key, {}).get(b.bucket) if table else None

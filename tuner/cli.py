@@ -15,9 +15,14 @@ are then wall-clock and meaningless; the mode exists to exercise the pipeline.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import re
+import signal
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -69,9 +74,16 @@ def select_device(argv: list[str]) -> str:
     import torch
 
     requested = _requested_device(argv)
-    if requested is not None and not requested.startswith("cpu"):
+    if requested is not None and requested != "cpu":
+        try:
+            kind = torch.device(requested).type
+        except RuntimeError:
+            kind = None
+        if kind != "cuda":
+            raise UsageError(f"{PROG}: error: --device {requested}: expected cuda, cuda:N or cpu (--devices "
+                             "cpu:N runs N CPU workers)")
         if not torch.cuda.is_available():
-            raise UsageError(f"--device {requested}: CUDA is not available")
+            raise UsageError(f"{PROG}: error: --device {requested}: torch finds no CUDA GPU here")
         return requested
     if requested is None and torch.cuda.is_available():
         return "cuda"
@@ -109,14 +121,20 @@ def _limits(args):
 
 
 def _folder(path: Path, flag: str) -> Path:
-    """``path`` as an existing folder (created now, before any worker starts, so that a path
-    that cannot be a folder is a usage error)."""
+    """``path`` as an existing folder this process can write in (created and tried now, before
+    any worker starts, so that a path that cannot be one is a usage error)."""
     if path.exists() and not path.is_dir():
         raise UsageError(f"{PROG}: error: {flag} {path}: exists and is not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"{PROG}: error: {flag} {path}: cannot create the folder ({e.strerror or e})") from None
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".tsdecode-write-test-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"{PROG}: error: {flag} {path}: cannot write in the folder ({e.strerror or e})") from None
     return path
 
 
@@ -148,10 +166,11 @@ def where_the_table_is_used(table: Path, spec) -> list[str]:
     folder = table.parent.resolve()
     lines = [f"table: {table}"]
     if folder == user_config_dir().resolve():
-        lines.append(f"plans on this device use it from now on: search order: ${CONFIG_DIR_ENV}, the user cache "
+        first = os.environ.get(CONFIG_DIR_ENV)
+        when = (f"except for buckets that ${CONFIG_DIR_ENV}={first} (searched first) also holds"
+                if first else "from now on")
+        lines.append(f"plans on this device use it {when}: search order: ${CONFIG_DIR_ENV}, the user cache "
                      f"({folder}), the shipped tables; check with `{explain}`")
-        if os.environ.get(CONFIG_DIR_ENV):
-            lines.append(f"note: ${CONFIG_DIR_ENV}={os.environ[CONFIG_DIR_ENV]} is set and searched first")
     else:
         lines.append(f"plans do not search {folder} by default: set {CONFIG_DIR_ENV}={folder} (or call "
                      f"tsdecode.config.tables.set_config_path) to use it; check with "
@@ -288,7 +307,12 @@ def _define_job(args, storage, specs, settings, heartbeat, device_props, table: 
     """The run's job (created, or updated for a resume); None if --stale-only leaves nothing."""
     from . import job as J
     from .buckets import group_buckets, stale_buckets, table_winners
+    from .table_writer import check_target
 
+    try:
+        check_target(table, device_props)  # now, not after the tuning, when the table is written
+    except ValueError as e:
+        raise UsageError(f"{PROG}: error: {e}") from None
     buckets = group_buckets(specs)
     if getattr(args, "stale_only", False):
         stale = stale_buckets(table, buckets, device_props)
@@ -298,7 +322,10 @@ def _define_job(args, storage, specs, settings, heartbeat, device_props, table: 
         specs = [spec for b in buckets for spec in b.specs]
     if not buckets:
         return None
-    name = args.job or J.default_job_name(specs, settings, device_props.name)
+    warning = settings.budget_warning(len(buckets))
+    if warning:
+        echo(warning)
+    name = args.job if args.job is not None else J.default_job_name(specs, settings, device_props.name)
     previous = table_winners(table, buckets, device_props, settings.limits)
     job = J.Job(name, tuple(specs), settings, heartbeat, previous, cpu, started=time.time())
     try:
@@ -307,8 +334,10 @@ def _define_job(args, storage, specs, settings, heartbeat, device_props, table: 
         raise _job_error(e) from None
 
 
-def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequence[str] = ()) -> int:
-    """Write the table from the storage, the CSV, the summary and the closing lines."""
+def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequence[str] = (),
+            grid: Sequence = ()) -> int:
+    """Write the table from the storage, the CSV, the summary and the closing lines; ``grid``: the
+    run's shapes (where --stale-only left no job, the closing lines name one of them)."""
     from . import job as J
     from .buckets import summary_table
     from .study import write_trials_csv
@@ -320,26 +349,67 @@ def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequ
         write_trials_csv(paths.jsonl, paths.csv)
     except Exception as e:  # the jsonl stays the record; the CSV is a convenience
         echo(f"warning: could not write {paths.csv}: {e}")
-    print(summary_table(results))
+    if job is None:
+        echo(f"nothing to tune: every bucket of the grid is up to date in {paths.table}")
+    else:
+        print(summary_table(results))
     for line in extra:
         echo(line)
     cut = sum(r.cut_short for r in results)
     if cut:
         echo(f"{cut} bucket(s) stopped short of --trials when the time budget ran out (\"time ran out\" above): "
-             "the same command again searches them on from what they measured")
+             "the same command again, with a larger --time-budget or none, searches them on from what they "
+             "measured")
     ok = sum(r.ok for r in results)
-    echo(f"{ok}/{len(results)} buckets tuned in {time.monotonic() - t_start:.0f} s")
+    if job is not None:
+        echo(f"{ok}/{len(results)} buckets tuned in {time.monotonic() - t_start:.0f} s")
     if cpu:
         echo(CPU_NOTE)
     if not paths.table.exists():
         echo(f"no table written: no bucket of the grid was tuned ({paths.table} does not exist)")
         return 1
-    specs = job.specs if job is not None else ()
+    specs = job.specs if job is not None else tuple(grid)
     tuned = next((r.bucket.representative for r in results if r.ok), specs[0] if specs else None)
     if tuned is not None:
         for line in where_the_table_is_used(paths.table, tuned):
             echo(line)
     return 0 if ok == len(results) else 1
+
+
+def _stopping(say=None, what: str = "the measuring process and writing the finished buckets") -> None:
+    """The first thing after Ctrl-C or SIGTERM: say so at once."""
+    (say or echo)(f"{PROG}: interrupted: stopping {what}")
+
+
+def _ignore_interrupts() -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _interrupt(signum, frame) -> None:
+    """Ctrl-C or SIGTERM: KeyboardInterrupt, once; a second one must not break the few seconds
+    of writing what is finished, so both are ignored from now on, to the end of the process."""
+    _ignore_interrupts()
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _interrupts_stop_the_run():
+    """SIGTERM (timeout, Slurm, docker stop, systemd) ends a run as Ctrl-C does: the finished
+    buckets are written. The handlers are restored afterwards unless one came (the process is
+    then ending; a late signal must not cut it short)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in saved:
+        signal.signal(sig, _interrupt)
+    try:
+        yield
+    finally:
+        if signal.getsignal(signal.SIGINT) is _interrupt:  # no interrupt came
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
 
 
 def _export_interrupted(storage, job, paths) -> None:
@@ -445,6 +515,9 @@ def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: b
         return 1
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt):
+            _stopping()
+            if client is not None:
+                client.close(wait=False)
             _export_interrupted(storage, job, paths)
         if lock is not None:
             lock.release()
@@ -465,9 +538,9 @@ def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: b
             extra.append(f"precompiled {pool.compiled} candidates in {compile_workers} processes ({pool.busy_s:.0f} s "
                          "of compile work)")
         if tuner is not None and tuner.measured_now:
-            extra.append(f"the measuring process planned {tuner.measured_now} valid candidates in {tuner.plan_s:.0f} s "
-                         "(compiling what was not precompiled)")
-        return _finish(storage, job, paths, results, t_start, cpu, extra)
+            extra.append(f"the measuring process checked and timed {tuner.measured_now} valid candidates; preparing "
+                         f"their kernels (compiling those not precompiled) took {tuner.plan_s:.0f} s")
+        return _finish(storage, job, paths, results, t_start, cpu, extra, grid=specs)
     finally:
         lock.release()
 
@@ -503,7 +576,7 @@ def _tune_supervised(args, slots, specs, table_dir: Path, work_dir: Path, cpu: b
     try:
         job = _define_job(args, storage, specs, settings, heartbeat, props, paths.table, cpu)
         if job is None:
-            return _finish(storage, None, paths, [], t_start, cpu)
+            return _finish(storage, None, paths, [], t_start, cpu, grid=specs)
         echo(f"job: {job.name} (other hosts join with: {PROG} worker --storage {paths.storage} --job {job.name})")
         log = ResultLog(paths.jsonl)
         log.write({"kind": "run", "device": props.to_dict(), "settings": settings.to_dict(), "job": job.name,
@@ -521,7 +594,7 @@ def _tune_supervised(args, slots, specs, table_dir: Path, work_dir: Path, cpu: b
         progress = None if args.no_progress else J.JobProgress(storage, job, props).line
         try:
             codes = Supervisor(slots, commands, echo=echo, recover=recover, progress=progress).run()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # the supervisor stopped the workers and said so
             _export_interrupted(storage, job, paths)
             echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
             return 130
@@ -612,7 +685,10 @@ def run_worker(args, device: str) -> int:
         say(f"{PROG}: error: {e}")
         return 1
     except KeyboardInterrupt:
-        say(f"{PROG} worker: interrupted; its unfinished trials are queued again")
+        _stopping(say=say, what="the measuring process")
+        if client is not None:
+            client.close(wait=False)
+        say(f"{PROG} worker: interrupted; the next run or worker of the job queues its unfinished trials again")
         return 130
     finally:
         if pool is not None:
@@ -645,7 +721,10 @@ def run_export(args) -> int:
     if identity is not None and identity.kernel_hash != kernel_source_hash():
         echo(f"warning: the job was measured with kernel {identity.kernel_hash}, this tsdecode has "
              f"{kernel_source_hash()}: the table records the job's, and this installation will call it stale")
-    ex = J.export(storage, job, table_dir)
+    try:
+        ex = J.export(storage, job, table_dir)
+    except ValueError as e:  # the folder holds another device's table
+        raise UsageError(f"{PROG} export: error: {e}") from None
     print(summary_table(ex.results))
     ok = sum(r.ok for r in ex.results)
     pending = sum(r.pending for r in ex.results)
@@ -672,7 +751,7 @@ def run_create(args) -> int:
     _quiet_optuna()
     settings, heartbeat = _settings(args, cpu, 1)
     storage = _open(args.storage)
-    name = args.job or J.default_job_name(specs, settings, "")
+    name = args.job if args.job is not None else J.default_job_name(specs, settings, "")
     try:
         job = J.save_job(storage, J.Job(name, tuple(specs), settings, heartbeat, interpreter=cpu))
     except J.JobError as e:
@@ -699,6 +778,11 @@ def run_explain(args, device: str) -> int:
         hq, hkv = (int(x) for x in args.heads.split(":"))
     except ValueError:
         raise UsageError(f"{PROG} explain: error: --heads expects HQ:HKV like 32:8, got {args.heads!r}") from None
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise UsageError(f"{PROG} explain: error: --heads {args.heads}: HQ and HKV must be positive, HQ a multiple "
+                         "of HKV")
+    if args.window_left >= 0 and args.mask != "causal":
+        raise UsageError(f"{PROG} explain: error: --window-left {args.window_left} needs --mask causal")
 
     def dtype(name):
         if name is not None and name not in DTYPES:
@@ -712,9 +796,23 @@ def run_explain(args, device: str) -> int:
             kv_dtype=dtype(args.kv_dtype), o_dtype=dtype(args.o_dtype), device=torch.device(device),
             config_dir=args.config_dir)
     except (ValueError, TypeError, NotImplementedError) as e:
-        raise UsageError(f"{PROG} explain: error: {e}") from None
+        raise UsageError(f"{PROG} explain: error: {_as_explain_flags(str(e))}") from None
     print(text)
     return 0
+
+
+# tsdecode.explain's parameters as the flags of the explain subcommand that set them.
+EXPLAIN_FLAGS = {"batch_size": "--batch-size", "max_kv_len": "--kv-len", "kv_len": "--kv-len",
+                 "head_dim": "--head-dim", "page_size": "--page-size", "max_seq_len_q": "--seq-len-q",
+                 "seq_len_q": "--seq-len-q", "window_left": "--window-left", "mask_type": "--mask",
+                 "q_data_type": "--q-dtype", "q_dtype": "--q-dtype", "kv_data_type": "--kv-dtype",
+                 "kv_dtype": "--kv-dtype", "o_data_type": "--o-dtype", "o_dtype": "--o-dtype"}
+
+
+def _as_explain_flags(message: str) -> str:
+    """An error of tsdecode.explain with its parameter names replaced by the flags typed."""
+    names = sorted(EXPLAIN_FLAGS, key=len, reverse=True)
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: EXPLAIN_FLAGS[m.group(1)], message)
 
 
 def run_report(report_argv: list[str]) -> int:
@@ -726,7 +824,11 @@ def run_report(report_argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    with _interrupts_stop_the_run():
+        return _main(list(sys.argv[1:] if argv is None else argv))
+
+
+def _main(argv: list[str]) -> int:
     try:
         if argv and argv[0] in ("create", "export"):  # no device of their own
             device = "cpu" if argv[0] == "create" and _flag(argv, "--for") == "cpu" else "cuda"

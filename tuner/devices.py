@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,7 +199,13 @@ class Supervisor:
         self._start(i)
 
     def stop(self) -> None:
-        """End the workers (an interrupt): SIGINT first (they give their trials back), then kill."""
+        """End the workers (an interrupt): SIGINT first (they give their trials back), then kill.
+        A second interrupt meanwhile is ignored (the caller restores the handlers)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
+        if self.procs:
+            self.echo(f"interrupted: stopping {len(self.procs)} worker(s)")
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)

@@ -318,8 +318,13 @@ def specs_from_args(args) -> list[ShapeSpec]:
         except ImportError:  # Python 3.10: no TOML reader in the standard library
             raise ValueError(f"--grid-file {args.grid_file}: reading TOML needs Python >= 3.11 "
                              "(tomllib); pass the grid as flags instead") from None
-        with open(args.grid_file, "rb") as f:
-            data = tomllib.load(f)  # TOMLDecodeError is a ValueError
+        try:
+            with open(args.grid_file, "rb") as f:
+                data = tomllib.load(f)  # TOMLDecodeError is a ValueError
+        except OSError as e:
+            raise ValueError(f"--grid-file {args.grid_file}: cannot be read ({e.strerror or e})") from None
+        except ValueError as e:
+            raise ValueError(f"--grid-file {args.grid_file}: not TOML ({e})") from None
         tables = data.get("grid")
         others = [k for k in data if k != "grid"]
         if not isinstance(tables, list) or not tables or others:

@@ -364,7 +364,7 @@ class JobProgress:
                 if t.state.is_finished() and t.user_attrs.get("measured"):
                     measured += 1
                 elif t.state == TrialState.RUNNING and (t.user_attrs.get("worker") or {}).get("label"):
-                    where[t.user_attrs["worker"]["label"]] = f"B{bucket.bucket[0]} L{bucket.bucket[1]}"
+                    where[t.user_attrs["worker"]["label"]] = f"bucket {bucket.bucket}"
         total = sum(self.budget.values())
         measured = min(measured, total)
         if self.first is None:

@@ -12,8 +12,9 @@ from .arguments import PROG, Parser, UsageError, int_list_type, nonnegative_int,
 TUNE_WORDS = (
     "Words: a bucket is a group of the grid's shapes tuned together and given one table entry (same dtypes, "
     "heads, head dim, page size, query mode and mask; batch size and K/V length rounded up to the same powers "
-    "of two). Each bucket is searched by one Optuna study: a series of trials, each measuring one kernel "
-    "config. Where the space is too large to try every config, the next configs are proposed by TPE, Optuna's "
+    "of two), written 'bucket (B, L)'. Each bucket is searched by one Optuna study: a series of trials, each "
+    "measuring one kernel config; a study's 12-digit ID hashes what its times depend on (kernel, GPU model, "
+    "shapes, space, settings, the heuristic default), so a rerun finds it again. Where the space is too large to try every config, the next configs are proposed by TPE, Optuna's "
     "default sampler, from the times measured so far. The finalists are the best configs of a bucket, re-timed "
     "against the heuristic default at the end. The measuring process is the child process that runs and times "
     "the candidates (restarted after a crash or timeout); it is not the 'worker' subcommand.")

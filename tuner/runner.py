@@ -35,6 +35,7 @@ import importlib.util
 import math
 import multiprocessing
 import os
+import signal
 import sys
 import time
 import traceback
@@ -371,15 +372,26 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
+def _reply(conn, reply: dict[str, Any]) -> None:
+    """Send ``reply`` to the parent; a parent that is gone (killed, or stopped by a signal) ends
+    this process at once and quietly: nobody is left to read a traceback."""
+    try:
+        conn.send(reply)
+    except OSError:  # BrokenPipeError, ConnectionResetError
+        os._exit(0)
+
+
 def _worker_main(conn, options: WorkerOptions) -> None:
     """Worker loop: requests {"op", "args"} -> replies {"ok", "result"} or {"ok": False,
-    "reason", "fatal"}. Exits on EOF (the parent died), on "stop" and after a fatal error."""
+    "reason", "fatal"}. Exits on EOF (the parent died), on "stop" and after a fatal error. Ctrl-C
+    in the terminal is the parent's to handle: it stops this process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_parent()
     try:
         measurer = options.measurer()
     except BaseException as e:  # report why startup failed, then exit
-        conn.send({"ok": False, "reason": f"worker start failed: {describe_exception(e)}",
-                   "fatal": True, "startup": True})
+        _reply(conn, {"ok": False, "reason": f"worker start failed: {describe_exception(e)}",
+                      "fatal": True, "startup": True})
         return
     while True:
         try:
@@ -389,15 +401,17 @@ def _worker_main(conn, options: WorkerOptions) -> None:
         if msg.get("op") == "stop":
             return
         try:
-            conn.send({"ok": True, "result": getattr(measurer, msg["op"])(**msg.get("args", {}))})
-            continue
+            result = getattr(measurer, msg["op"])(**msg.get("args", {}))
         except CandidateFailed as e:
             fatal = e.fatal
-            conn.send({"ok": False, "reason": e.reason, "fatal": fatal})
+            _reply(conn, {"ok": False, "reason": e.reason, "fatal": fatal})
         except BaseException as e:  # a bug or an unexpected error: report it with its traceback
             fatal = measurer.context_poisoned(e)
-            conn.send({"ok": False, "reason": f"{msg.get('op')} failed: {describe_exception(e)}",
-                       "fatal": fatal, "traceback": traceback.format_exc()})
+            _reply(conn, {"ok": False, "reason": f"{msg.get('op')} failed: {describe_exception(e)}",
+                          "fatal": fatal, "traceback": traceback.format_exc()})
+        else:
+            _reply(conn, {"ok": True, "result": result})
+            continue
         if fatal:
             conn.close()
             os._exit(3)
@@ -422,7 +436,7 @@ class InlineClient:
                     "--isolation process to survive this); rerun to resume") from None
             raise
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         pass
 
 
@@ -514,8 +528,10 @@ class WorkerClient:
         self._ensure()
         return self._request({"op": op, "args": args}, timeout)
 
-    def close(self) -> None:
-        if self.proc is not None and self.proc.is_alive():
+    def close(self, wait: bool = True) -> None:
+        """Stop the measuring process: ask it to finish its request and exit, or, without
+        ``wait`` (an interrupted run), kill it at once (its trial is queued again by the next run)."""
+        if wait and self.proc is not None and self.proc.is_alive():
             try:
                 self.conn.send({"op": "stop"})
                 self.proc.join(timeout=10)
@@ -560,6 +576,7 @@ def compile_candidate(specs: Sequence[ShapeSpec], config: KernelConfig, device: 
 
 
 def _compile_init(device: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the pool
     exit_with_parent()
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is not None:

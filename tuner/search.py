@@ -326,7 +326,7 @@ def recover_dead(study: optuna.Study, name: str, *, storage, storage_url: str, l
             stamp = t.user_attrs.get("worker")
             who = (f"{stamp.get('label') or 'a worker'} (pid {stamp.get('pid', '?')})" if stamp else
                    f"a worker that never stamped it within {unstamped_grace:.0f} s")
-            echo(f"  trial {t.number} of {name.rsplit('|', 1)[0]}: {who} died while holding it; "
+            echo(f"  trial {t.number} of {name.rsplit('|', 1)[0]}: {who} stopped or died while holding it; "
                  + (f"queued again as trial {again}" if again is not None else "not queued again"))
     return failed
 
@@ -624,11 +624,11 @@ class Tuner:
         trials = study.get_trials(deepcopy=False)
         done_before = sum(1 for t in trials if t.state.is_finished() and t.user_attrs.get("measured"))
         bar = Progress(s.trials if not use_grid else max(done_before, int(study.user_attrs.get("seeded", 1))),
-                       f"B{bucket.bucket[0]} L{bucket.bucket[1]}", enabled=self.progress,
+                       f"bucket {bucket.bucket}", enabled=self.progress,
                        initial=min(done_before, s.trials))
         pending: list[_Pending] = []
         held: list[_Held] = []
-        stop_at = None if deadline is None else deadline - self._retime_reserve()
+        stop_at = None if deadline is None else deadline - self.s.retime_reserve_s()
         max_told = 4 * s.trials + 20  # duplicates after fitting can make trials cheap but endless
         dup_streak = 0
         asking, out_of_time = True, False
@@ -799,10 +799,6 @@ class Tuner:
                     retry_trial(study, study._storage.get_trial(trial._trial_id), why)
         except Exception:  # finished meanwhile, or the storage is gone: a later run recovers it
             pass
-
-    def _retime_reserve(self) -> float:
-        per = self.s.replay_ms / 1000.0 + 0.1 if self.s.timing == "cuda-graph" else 0.5
-        return (self.s.top_k + 1) * (self.s.retime_rounds * per + 0.5)
 
     @staticmethod
     def _next_ready(pending: list[_Pending], timeout: float | None) -> _Pending | None:

@@ -145,6 +145,8 @@ def journal_problem(path: Path) -> str | None:
     """Why the journal file at ``path`` cannot be replayed (None: it can, or it is missing):
     every line must be a JSON object ending in a newline (Optuna would append after a torn last
     line and damage the next record too)."""
+    if path.exists() and not path.is_file():  # reading a FIFO would hang
+        return "not a regular file"
     try:
         data = path.read_bytes()
     except OSError:

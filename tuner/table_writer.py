@@ -41,15 +41,46 @@ def table_path(device: DeviceProperties, folder: str | os.PathLike | None = None
     return Path(folder if folder is not None else tables.user_config_dir()) / tables.table_filename(device.name)
 
 
+# What reading a table can raise. ValueError: JSON, UTF-8, the format; ArithmeticError: a number
+# no float can hold.
+UNREADABLE = (OSError, ValueError, RecursionError, ArithmeticError)
+
+
+def _parsed(path: Path) -> tables.Table:
+    """The table at ``path`` as the runtime parses it, without the runtime's warnings."""
+    if not path.is_file():  # a FIFO would hang the read
+        raise OSError(f"{path} is not a regular file")
+    return tables.parse_table(str(path), json.loads(path.read_bytes()))
+
+
+def readable_table(path: Path) -> tables.Table | None:
+    """The table at ``path``, or None where there is none the runtime could use; quiet (the merge
+    that writes the table says what happens to an unusable file, once)."""
+    if not path.is_file():
+        return None
+    try:
+        return _parsed(path)
+    except UNREADABLE:
+        return None
+
+
+def check_target(path: Path, device: DeviceProperties) -> None:
+    """ValueError, before any tuning, when ``path`` holds another device's table: the merge at the
+    end would refuse it. A file the runtime cannot use is no obstacle (it is moved aside then)."""
+    table = readable_table(path)
+    if table is not None and table.device.name != device.name:
+        raise ValueError(f"{path} holds the table of '{table.device.name}', not of '{device.name}': the "
+                         f"tuned entries could not be merged into it; move it away or pass another --out")
+
+
 def _existing(path: Path, device: DeviceProperties) -> tuple[dict, str | None]:
     """(entries, created) of the table at ``path`` to merge into; a file the runtime would not
     use is moved aside and written afresh."""
     if not path.exists():
         return {}, None
     try:
-        table = tables.parse_table(str(path), json.loads(path.read_bytes()))
-    # ValueError: JSON, UTF-8, the format; ArithmeticError: a number no float can hold
-    except (OSError, ValueError, RecursionError, ArithmeticError) as e:
+        table = _parsed(path)
+    except UNREADABLE as e:
         moved = move_aside(path, "corrupt")
         logger.warning(f"tuned config table {path} is unusable ({e}); moved aside to {moved} and written afresh")
         return {}, None

@@ -11,7 +11,8 @@ Search order for a plan on a device: an explicit path (``config_dir`` argument, 
 name, or else by compute capability and SM count (with a warning). The first matching table
 holding the shape's class and exact bucket wins; when no table holds that (class, bucket), the
 first holding it for the float16/bfloat16 twin class wins (same kernel and configs). A missing,
-corrupt or stale table logs one warning and never fails a plan.
+corrupt or stale table logs one warning, with the tuner command that fits the device and the
+file's folder (``tune_advice``), and never fails a plan.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import json
 import logging
 import os
 import re
+import shlex
+import stat
 import threading
 import time
 import tokenize
@@ -32,12 +35,11 @@ from typing import Any, Mapping
 
 import platformdirs
 
-from ..device import DeviceProperties
+from ..device import DeviceProperties, device_properties
 from .space import SPACE, KernelConfig, ProblemShape, next_power_of_2
 from .table_format import TableEntry, check_tuned_batch_size, validate_table_data
 
 CONFIG_DIR_ENV = "TSDECODE_CONFIG_DIR"
-TUNE_COMMAND = "tsdecode-tune --preset llama3-8b"
 SQ_BUCKETS = (1, 2, 4, 8, 16)  # fixed SQ rounded up to one of these ("16+" above), or "packed"
 KERNEL_SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "decode.py"
 
@@ -89,7 +91,8 @@ def table_filename(device_name: str) -> str:
 @dataclass(frozen=True)
 class Table:
     """A parsed table: entries[class key][(batch_size, kv_len)], only those valid in today's
-    config space (``skipped`` says which were dropped); ``stale`` lists provenance mismatches."""
+    config space (skipped_entries[class key][bucket] says why each other one was dropped);
+    ``stale`` lists provenance mismatches."""
 
     path: str
     device: DeviceProperties
@@ -100,8 +103,14 @@ class Table:
     created: str
     updated: str
     entries: Mapping[str, Mapping[tuple[int, int], TableEntry]]
-    skipped: tuple[str, ...] = ()
+    skipped_entries: Mapping[str, Mapping[tuple[int, int], str]]
     stale: tuple[str, ...] = ()
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        """One line per skipped entry: ``"<class key> bucket (b, n): <why>"``."""
+        return tuple(f"{key} bucket {bucket}: {why}"
+                     for key, reasons in self.skipped_entries.items() for bucket, why in reasons.items())
 
 
 # --- provenance ----------------------------------------------------------------------------------
@@ -152,7 +161,7 @@ def parse_table(path: str, data: object) -> Table:
     """A validated Table from decoded JSON (TableFormatError if the format is violated)."""
     validate_table_data(data)
     entries: dict[str, dict[tuple[int, int], TableEntry]] = {}
-    skipped = []
+    skipped: dict[str, dict[tuple[int, int], str]] = {}
     for key, records in data["entries"].items():
         for record in records:
             bucket = (record["batch_size"], record["kv_len"])
@@ -161,7 +170,7 @@ def parse_table(path: str, data: object) -> Table:
                 check_tuned_batch_size(bucket, entry)
                 entries.setdefault(key, {})[bucket] = entry
             except (ValueError, TypeError) as e:
-                skipped.append(f"{key} bucket {bucket}: {e}")
+                skipped.setdefault(key, {})[bucket] = str(e)
     stale = []
     if data["kernel_hash"] != kernel_source_hash():
         stale.append(f"kernel hash differs (table {data['kernel_hash']}, running {kernel_source_hash()})")
@@ -169,13 +178,13 @@ def parse_table(path: str, data: object) -> Table:
         stale.append(f"tuned with triton {data['triton_version']}, running triton {_triton_version()}")
     return Table(path, DeviceProperties.from_dict(data["device"]), data["triton_version"],
                  data["torch_version"], data["kernel_hash"], data["tuner_settings"], data["created"],
-                 data["updated"], entries, tuple(skipped), tuple(stale))
+                 data["updated"], entries, skipped, tuple(stale))
 
 
 # --- loading -------------------------------------------------------------------------------------
 
 _lock = threading.Lock()
-_tables: dict[str, tuple[tuple, Table | None]] = {}  # path -> (file key, table or None = unusable)
+_tables: dict[str, tuple[tuple, tuple[Table | None, str | None]]] = {}  # path -> (file key, _read's answer)
 _warned: set = set()
 _config_path: str | None = None
 _RACY_NS = 1_000_000_000
@@ -216,14 +225,50 @@ def shipped_config_dir() -> Path | None:
     return next((folder for folder in (installed, source_tree) if folder.is_dir()), None)
 
 
-def load_table(path: str | os.PathLike) -> Table | None:
-    """The table at ``path`` (parsed once, re-read when the file changes), or None if it is
-    missing or unusable; an unusable file logs one warning per file and cause."""
-    path = os.fspath(path)
+def tune_advice(device: DeviceProperties, path: str | os.PathLike | None = None) -> str:
+    """The tuner command that (re)writes ``device``'s table where plans find it, for a warning about
+    the table file ``path`` (None: no table): the preset that fits the device (``smoke`` under the
+    interpreter) and, for a file outside the user cache folder, ``--out`` its folder, so the table
+    is rewritten where it lies. The shipped tables are left alone: the user cache shadows them.
+    The file written is named unless it is ``path``."""
+    command = f"tsdecode-tune --preset {'llama3-8b' if device.is_gpu else 'smoke'}"
+    folder = user_config_dir()
+    if path is not None and os.path.realpath(Path(path).parent) not in {
+            os.path.realpath(f) for f in (folder, shipped_config_dir()) if f is not None}:
+        folder = Path(path).parent
+        command += f" --out {shlex.quote(str(folder))}"
+    target = folder / table_filename(device.name)
+    same = path is not None and os.path.realpath(path) == os.path.realpath(target)
+    return f"`{command}`" + ("" if same else f" (writes {target})")
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((name for is_kind, name in kinds if is_kind(mode)), "a device file")
+
+
+def _nonblocking(path: str, flags: int) -> int:
+    # A FIFO swapped in after the stat would block open() and read(): without blocking it reads empty.
+    return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
+
+
+def _unusable(path: str, reason: str, device: DeviceProperties | None, replace: bool = True) -> str:
+    """Warn once that the file at ``path`` is unusable; ``replace``: re-tuning would replace it."""
+    device = device or device_properties()
+    if replace and os.path.basename(path) == table_filename(device.name):
+        advice = f"Re-tune with {tune_advice(device, path)}"
+    else:
+        advice = f"Delete it; this device's table comes from {tune_advice(device, path)}"
+    warn_once(("unusable", path), f"tuned config table {path} is unusable ({reason}); ignored. {advice}")
+    return reason
+
+
+def _read(path: str, device: DeviceProperties | None) -> tuple[Table | None, str | None]:
+    """(table, None), or (None, why it is unusable: one warning), or (None, None): no such file."""
     try:
         st = os.stat(path)
     except OSError:
-        return None
+        return None, None
     key = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
     cached = _tables.get(path)
     if cached is not None and cached[0] == key:
@@ -231,24 +276,33 @@ def load_table(path: str | os.PathLike) -> Table | None:
     # A file changed within the filesystem's timestamp resolution of now could change again
     # under the same key: such a read is not cached (as git treats a "racily clean" index).
     racy = time.time_ns() - st.st_mtime_ns < _RACY_NS
-    table = None
+    table, problem = None, None
     try:
-        with open(path, "rb") as f:
-            table = parse_table(path, json.loads(f.read()))
+        if not stat.S_ISREG(st.st_mode):  # reading a FIFO or a device could block every plan
+            problem = _unusable(path, f"not a regular file but {_file_kind(st.st_mode)}", device, replace=False)
+        else:
+            with open(path, "rb", opener=_nonblocking) as f:
+                table = parse_table(path, json.loads(f.read()))
     except OSError as e:
-        warn_once(("unreadable", path), f"tuned config table {path} cannot be read ({e}); ignored")
+        problem = f"cannot be read: {e}"
+        warn_once(("unusable", path), f"tuned config table {path} cannot be read ({e}); ignored")
     except (ValueError, RecursionError) as e:  # JSON, UTF-8, format
-        warn_once(("unusable", path), f"tuned config table {path} is unusable ({e}); ignored "
-                                      f"(re-tune with `{TUNE_COMMAND}`)")
+        problem = _unusable(path, str(e), device)
     except Exception as e:  # noqa: BLE001 - a table must never break a plan
-        warn_once(("error", path), f"tuned config table {path} cannot be used ({e!r}); ignored")
-    if table is not None and table.skipped:
-        warn_once(("skipped", path), f"tuned config table {path}: {len(table.skipped)} entries are "
-                                     f"not valid today and are ignored (first: {table.skipped[0]})")
+        problem = _unusable(path, repr(e), device)
     if not racy:
         with _lock:
-            _tables[path] = (key, table)
-    return table
+            _tables[path] = (key, (table, problem))
+    return table, problem
+
+
+def load_table(path: str | os.PathLike, device: DeviceProperties | None = None) -> Table | None:
+    """The table at ``path`` (parsed once, re-read when the file changes), or None if it is
+    missing or unusable. An unusable file (not a regular file, unreadable, not a valid table) logs
+    one warning, its advice fitting ``device``, the device whose plan reads it (default: this
+    process's default device). Whether a table is stale or has skipped entries is warned about
+    by ``lookup``, for a table it uses."""
+    return _read(os.fspath(path), device)[0]
 
 
 # --- lookup --------------------------------------------------------------------------------------
@@ -282,8 +336,7 @@ def _sources(config_dir) -> list[tuple[str, str, bool]]:
 
 def _tables_for(origin: str, source: str, explicit: bool, device: DeviceProperties, trace: list | None):
     """(table, notes) of one source that match the device: exact name first, then same compute
-    capability and SM count. An unusable file that may have been this device's table (its file
-    name, or a file given explicitly) yields (None, ()): it has warned already."""
+    capability and SM count. An unusable file yields (None, ()): it has warned already."""
     if os.path.isdir(source):
         try:
             names = sorted(n for n in os.listdir(source) if n.endswith(".json") and not n.startswith("."))
@@ -305,11 +358,11 @@ def _tables_for(origin: str, source: str, explicit: bool, device: DeviceProperti
         return
     variants = []
     for path in files:
-        table = load_table(path)
+        table, problem = _read(path, device)
         if table is None:
             if trace is not None:
-                trace.append(f"    {path}: unusable (see the warning)")
-            if path == source or os.path.basename(path) == table_filename(device.name):
+                trace.append(f"    {path}: unusable ({problem})" if problem else f"    {path}: does not exist")
+            if problem:
                 yield None, ()
         elif table.device.name == device.name:
             yield table, ()
@@ -319,10 +372,22 @@ def _tables_for(origin: str, source: str, explicit: bool, device: DeviceProperti
         elif trace is not None:
             trace.append(f"    {path}: for {table.device.describe()}, not this device")
     for table in variants:
-        note = (f"table for '{table.device.name}' used for '{device.name}' (same compute capability "
-                f"and SM count)")
-        warn_once(("variant", table.path, device.name), f"tuned config table {table.path}: {note}")
-        yield table, (note,)
+        yield table, (f"table for '{table.device.name}' used for '{device.name}' (same compute "
+                      f"capability and SM count)",)
+
+
+def _warn_about(table: Table, notes: tuple[str, ...], device: DeviceProperties) -> None:
+    """One warning per table the search reaches, naming all its causes: used for a device variant,
+    stale, entries skipped."""
+    causes = notes + table.stale
+    if table.skipped:
+        n = len(table.skipped)
+        causes += (f"{n} {'entry is' if n == 1 else 'entries are'} not valid today and ignored "
+                   f"(first: {table.skipped[0]})",)
+    if not causes:
+        return
+    advice = f". Re-tune with {tune_advice(device, table.path)}" if table.stale or table.skipped else ""
+    warn_once(("table", table.path, causes), f"tuned config table {table.path}: {'; '.join(causes)}{advice}")
 
 
 def lookup(shape: ProblemShape, device: DeviceProperties, *, config_dir: str | os.PathLike | None = None,
@@ -341,16 +406,16 @@ def lookup(shape: ProblemShape, device: DeviceProperties, *, config_dir: str | o
             found_any = True
             if table is None:
                 continue
-            for note in table.stale:
-                warn_once(("stale", table.path, note.split(" (")[0]),
-                          f"tuned config table {table.path}: {note}; re-tune with `{TUNE_COMMAND}`")
+            _warn_about(table, notes, device)
             entry = table.entries.get(key, {}).get(bucket)
             if entry is not None:
                 if trace is not None:
                     trace.append(f"    {table.path}: {key} bucket {bucket} -> hit")
                 return TableHit(entry.kernel_config, table.path, bucket, entry, notes + table.stale)
             if trace is not None:
-                trace.append(f"    {table.path}: no entry for this class and bucket")
+                skipped = table.skipped_entries.get(key, {}).get(bucket)
+                trace.append(f"    {table.path}: " + (f"entry skipped: {skipped}" if skipped else
+                                                      "no entry for this class and bucket"))
             matched.append((table, notes))
     # No table holds the class itself: the first holding its float16/bfloat16 twin.
     for table, notes in matched if twin else ():
@@ -360,9 +425,7 @@ def lookup(shape: ProblemShape, device: DeviceProperties, *, config_dir: str | o
                 trace.append(f"    {table.path}: {twin} bucket {bucket} -> hit (the 16-bit twin class)")
             extra = (f"entries of class {twin} (float16 and bfloat16 share kernel and configs)",)
             return TableHit(entry.kernel_config, table.path, bucket, entry, extra + notes + table.stale)
-    if not found_any:
-        command = TUNE_COMMAND if device.is_gpu else "tsdecode-tune --preset smoke"
-        warn_once(("missing", device.name),
-                  f"no tuned config table for {device.describe()}; using the heuristic. Tune with "
-                  f"`{command}` (writes {user_config_dir() / table_filename(device.name)})")
+    if not found_any:  # an unusable file found has warned already
+        warn_once(("missing", device.name), f"no tuned config table for {device.describe()}; using the "
+                                            f"heuristic. Tune with {tune_advice(device)}")
     return None
