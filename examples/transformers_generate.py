@@ -49,7 +49,13 @@ def generate(model, prompts, max_new_tokens: int) -> list[list[int]]:
     cb = ContinuousBatchingConfig(**({"auto_switch_to_flash": False} if api == "5.24" else {}))
     gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False)
     out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
-    return [out[r].generated_tokens for r in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
+    results = [out[r] for r in sorted(out, key=lambda r: int(r.rsplit("_", 1)[1]))]
+    # generate_batch logs an exception inside a forward and returns the request as failed
+    failed = [f"request {i}: {getattr(r, 'error', None)}" for i, r in enumerate(results)
+              if getattr(r, "error", None) is not None or getattr(r.status, "name", "") == "FAILED"]
+    if failed:
+        raise SystemExit("generation failed:\n" + "\n".join(failed))
+    return [r.generated_tokens for r in results]
 
 
 def main() -> None:

@@ -223,6 +223,9 @@ def main() -> int:
         return 0
     if not args.other:
         ap.error("--other is required")
+    if not torch.cuda.is_available():
+        print("ab_trees needs a CUDA GPU (only --write-grid runs without one)", file=sys.stderr)
+        return 2
     other = load_other_tree(args.other)
     dev = torch.device("cuda")
     copy = copy_bandwidth_gbs(dev)

@@ -259,6 +259,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and args.model != "tiny":
+        p.error(f"--model {args.model} on the CPU would take hours in Triton's interpreter: without a GPU "
+                "only a smoke run makes sense, e.g. --model tiny --requests 2 --new-tokens 8")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
     log(f"{gpu}, transformers {transformers.__version__}, torch {torch.__version__}, model {args.model}")
 

@@ -23,7 +23,16 @@
 #               user cache folder's table, not this one, unless TSDECODE_CONFIG_DIR points here
 #   report      tsdecode-tune report with REPORT_ARGS (default --preset llama3-8b)
 set -u
+STEPS="tests bench sweep sweepsel targets heldout pdl ncu occupancy host ab transformers loop tune report"
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+esac
+for step in "$@"; do
+  case " $STEPS " in *" $step "*) ;; *) echo "gpu_check.sh: unknown step '$step'; steps: $STEPS" >&2; exit 2 ;; esac
+done
 cd "$(dirname "$0")/.."
+python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)" 2>/dev/null \
+  || { echo "gpu_check.sh needs a CUDA GPU (torch finds none here)" >&2; exit 2; }
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 . scripts/device_env.sh

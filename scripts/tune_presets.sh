@@ -6,7 +6,12 @@
 # in $OUT; copy the table back to tuned_configs/ to ship it. Without a shipped table for this GPU
 # the presets start a new one.
 set -u
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+esac
 cd "$(dirname "$0")/.."
+python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)" 2>/dev/null \
+  || { echo "tune_presets.sh needs a CUDA GPU (torch finds none here)" >&2; exit 2; }
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 . scripts/device_env.sh
 table=$(python3 -c "import torch; from tsdecode.config.tables import table_filename; print(table_filename(torch.cuda.get_device_name()))") || exit 2

@@ -17,9 +17,6 @@ _spec = importlib.util.spec_from_file_location("decode_loop", _PATH)
 decode_loop = sys.modules["decode_loop"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(decode_loop)
 
-REL_TOL, ABS_TOL = 1.2e-2, 0.05  # bf16 bounds of tests/cases.py
-
-
 def _check(results, modes):
     assert list(results) == modes
     first = results[modes[0]]
@@ -27,7 +24,8 @@ def _check(results, modes):
     assert len(first.batch_sizes) >= 2
     for mode, r in results.items():
         assert (r.steps, r.joined, r.left, r.batch_sizes) == (first.steps, first.joined, first.left, first.batch_sizes)
-        assert r.max_rel_err < REL_TOL and r.max_err < ABS_TOL, (mode, r)
+        assert r.max_rel_err < decode_loop.REL_TOL and r.max_err < decode_loop.ABS_TOL, (mode, r)
+    assert decode_loop.failures(results) == []
     compiled = results["compiled"]
     assert compiled.graph_breaks == 0 and 1 <= compiled.compiled_graphs <= len(compiled.batch_sizes_planned)
 
@@ -43,3 +41,12 @@ def test_decode_loop_cpu():
 def test_decode_loop_gpu():
     results = decode_loop.main(["--steps", "120"])
     _check(results, ["eager", "graphed", "compiled"])
+
+
+def test_the_example_fails_a_step_off_the_reference():
+    """The example's exit status: a mode past either tolerance is named (exit 1), none is 0."""
+    good = decode_loop.Result(10, 1.0, 0.01, 0.005, {1, 2}, 3, 2)
+    off = decode_loop.Result(10, 1.0, 0.01, 0.5, {1, 2}, 3, 2)
+    assert decode_loop.failures({"eager": good}) == []
+    [line] = decode_loop.failures({"eager": good, "compiled": off})
+    assert line.startswith("compiled: max rel err 5.00e-01")

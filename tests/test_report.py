@@ -390,6 +390,81 @@ def test_report_csv_without_required_columns_exits_2_naming_them(tmp_path, capsy
     assert code == 2 and "int.csv, line 3: column batch_size: expected an integer, got '8.0'" in err
 
 
+def _damaged(kind: str, path: Path) -> Path:
+    """A report CSV damaged in one way (from ``_report_rows``)."""
+    rows = _report_rows()
+    if kind == "cut short":  # the last row cut inside time_us_median: 199 for 199.5
+        text = _write_report_csv(path, rows).read_text()
+        rows[-1]["time_us_median"] = 199.5
+        line = _write_report_csv(path, rows).read_text().splitlines()[-1]
+        path.write_text(text.rsplit("\n", 2)[0] + "\n" + line[:line.index(",199.5") + 4] + "\n")
+        return path
+    if kind == "status":
+        rows[1]["status"] = "weird"
+    elif kind == "impl_kind":
+        rows[1]["impl_kind"] = "alien"
+    elif kind == "underscore":
+        rows[1]["batch_size"] = "1_0"
+    elif kind == "spaces":
+        rows[1]["kv_len"] = " 40 "
+    elif kind == "shape name":
+        rows[1]["head_dim"] = 128
+    elif kind == "twice":
+        rows.append(dict(rows[0]))
+    elif kind == "unclosed quote":
+        rows[-1]["reason"] = '"' + "x" * 140_000
+    _write_report_csv(path, rows)
+    if kind == "unclosed quote":
+        path.write_text(path.read_text().replace('"""' + "x", '"' + "x"))
+    return path
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("cut short", "line 5: fewer cells than columns (a file cut short?)"),
+    ("status", "line 3: column status: expected one of ['ok', 'skipped', 'failed'], got 'weird'"),
+    ("impl_kind", "line 3: column impl_kind: expected one of ['tsdecode', 'baseline', 'peer'], got 'alien'"),
+    ("underscore", "line 3: column batch_size: expected an integer, got '1_0'"),
+    ("spaces", "line 3: column kv_len: expected an integer, got ' 40 '"),
+    ("shape name", "line 3: the shape cell 'B1_L40_H4x2_D64_P16_bfloat16' disagrees with the row's fields"),
+    ("twice", "line 6: B1_L40_H4x2_D64_P16_bfloat16 heuristic again (first on line 2)"),
+    ("unclosed quote", "not a report CSV (field larger than field limit"),
+])
+def test_a_damaged_report_csv_exits_2_naming_the_line(kind, message, tmp_path, capsys):
+    """A CSV that a report run did not write whole is refused, never drawn with wrong numbers."""
+    path = _damaged(kind, tmp_path / "results.csv")
+    code, err = _report(["--from-csv", str(path), "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "out" / "report.html").exists()
+
+
+def test_a_report_csv_with_a_byte_order_mark_is_read(tmp_path, capsys):
+    """Spreadsheets save UTF-8 CSVs with a BOM; the first column is still 'shape'."""
+    path = _write_report_csv(tmp_path / "results.csv", _report_rows())
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert [r["shape"] for r in Res.read_csv(path)] == [r["shape"] for r in _report_rows()]
+    assert _report(["--from-csv", str(path), "--out", str(tmp_path / "out")], capsys)[0] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--filter", "("], "argument --filter: not a regular expression"),
+    (["--preset", "smoke", "--impls", ","], "--impls ',' names no implementation"),
+    (["--preset", "smoke", "--impls", "heuristic,nope"], "unknown implementation(s) ['nope']"),
+    (["--preset", "smoke", "--device", "tpu"], "--device tpu: expected cuda, cuda:N or cpu"),
+    (["--from-csv", "A", "--compare", "A", "B"], "--compare and --from-csv: give one of them"),
+    (["--from-csv", "A", "--preset", "smoke"], "--from-csv re-renders existing results: --preset would be ignored"),
+])
+def test_report_flags_that_cannot_work_exit_2_in_one_line(argv, message, tmp_path, capsys):
+    code, err = _report([*argv, "--out", str(tmp_path / "out")], capsys)
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without CUDA")
+def test_report_on_cuda_without_a_gpu_exits_2(tmp_path, capsys):
+    code, err = _report(["--preset", "smoke", "--device", "cuda", "--out", str(tmp_path)], capsys)
+    assert code == 2 and "--device cuda: torch finds no CUDA GPU here" in err, err
+
+
 def test_report_rows_with_unusable_numbers_are_left_out_of_plots(tmp_path, capsys):
     rows = _report_rows()
     rows[0].update(time_us_median=float("nan"))

@@ -152,6 +152,23 @@ def test_enable_refuses_what_tsdecode_cannot_run():
         tsdecode_transformers.enable(model)
 
 
+def test_enable_refuses_a_model_whose_attention_takes_no_sdpa():
+    """Gemma2 (logit softcapping) refuses transformers' sdpa, through which tsdecode's decode runs:
+    NotImplementedError naming the model, and the model left as it was."""
+    if tsdecode_transformers.transformers_api() == "5.17":
+        pytest.skip("5.17 registers tsdecode's own attention implementation")
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=100, hidden_size=128, intermediate_size=128, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, attn_logit_softcapping=50.0)
+    model = Gemma2ForCausalLM(config).to(device=DEVICE, dtype=torch.bfloat16).eval()
+    before = model.config._attn_implementation
+    with pytest.raises(NotImplementedError, match="Gemma2ForCausalLM's decode attention .* does not support"):
+        tsdecode_transformers.enable(model)
+    assert model.config._attn_implementation == before
+    assert not hasattr(model, tsdecode_transformers._PREVIOUS)
+
+
 def test_unsupported_transformers_version_names_the_supported_ones(monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "5.99.0")
     with pytest.raises(RuntimeError, match=r"supports transformers 5\.17 and 5\.24.*found transformers 5\.99\.0"):

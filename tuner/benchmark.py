@@ -36,8 +36,9 @@ def _parse_impls(text: str) -> list[I.Impl]:
         return list(I.IMPLS.values())
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in I.IMPLS]
-    if unknown:
-        raise ValueError(f"unknown implementation(s) {unknown}; registered: {list(I.IMPLS)}")
+    if unknown or not names:
+        raise ValueError(f"--impls {text!r}: unknown implementation(s) {unknown}; registered: {list(I.IMPLS)}"
+                         if unknown else f"--impls {text!r} names no implementation; registered: {list(I.IMPLS)}")
     return [I.IMPLS[n] for n in names]
 
 
@@ -202,7 +203,14 @@ def run_benchmark(args: argparse.Namespace, log=print) -> tuple[list[dict], Path
         if not specs:
             raise ValueError(f"--filter {args.filter!r} matches no shape of the grid")
     impls = _parse_impls(args.impls)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise ValueError(f"--device {args.device}: expected cuda, cuda:N or cpu") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"--device {args.device}: torch finds no CUDA GPU here")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {args.device}: expected cuda, cuda:N or cpu")
     if device.type == "cpu":
         if not INTERPRETER_ACTIVE:
             raise RuntimeError("no CUDA device: set TRITON_INTERPRET=1 (before Python starts) to "

@@ -818,7 +818,7 @@ def _as_explain_flags(message: str) -> str:
 def run_report(report_argv: list[str]) -> int:
     from . import report
 
-    parser = Parser(prog=f"{PROG} report", description=(report.__doc__ or "").split("\n\n")[0])
+    parser = Parser(prog=f"{PROG} report", description=" ".join((report.__doc__ or "").split("\n\n")[0].split()))
     report.add_report_arguments(parser)
     return int(report.run_report(parser.parse_args(report_argv)) or 0)
 

@@ -9,6 +9,7 @@ lies in ``benchmark`` (timing), ``results`` (the CSV) and ``pages`` (the HTML).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -30,7 +31,7 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default=None,
                    help="output folder (default: <user cache>/reports/<device>/<UTC time>/, compare: "
                         "<user cache>/reports/compare/<UTC time>/; --from-csv: the CSV's folder)")
-    g.add_argument("--filter", default=None, metavar="REGEX",
+    g.add_argument("--filter", default=None, metavar="REGEX", type=_regex,
                    help="keep only grid shapes whose name matches (re.search), e.g. 'B1_|L32768'")
     g.add_argument("--impls", default="all",
                    help=f"comma-separated implementations (default all): {', '.join(I.IMPLS)}")
@@ -54,6 +55,14 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
                    help="render compare.html for the shapes two results.csv files share")
 
 
+def _regex(text: str) -> str:
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {e}") from None
+    return text
+
+
 def run_report(args: argparse.Namespace) -> int:
     """Run what ``args`` asks: compare, re-render or benchmark. Returns a process exit code:
     0; 1 when a tsdecode row failed or exceeded the error tolerance; 2 for a usage error (bad
@@ -65,7 +74,21 @@ def run_report(args: argparse.Namespace) -> int:
         return 2
 
 
+def _check_modes(args: argparse.Namespace) -> None:
+    """--compare and --from-csv read CSVs: a grid or benchmark flag beside them would be ignored."""
+    modes = [flag for flag, on in (("--compare", args.compare), ("--from-csv", args.from_csv)) if on]
+    if len(modes) == 2:
+        raise ValueError("--compare and --from-csv: give one of them")
+    if modes:
+        grid = [flag for flag, on in (("--preset", args.preset), ("--grid-file", args.grid_file),
+                                      ("--batch-sizes", args.batch_sizes), ("--kv-lens", args.kv_lens),
+                                      ("--filter", args.filter), ("--device", args.device)) if on]
+        if grid:
+            raise ValueError(f"{modes[0]} re-renders existing results: {', '.join(grid)} would be ignored")
+
+
 def _run_report(args: argparse.Namespace) -> int:
+    _check_modes(args)
     if args.compare:
         path_a, path_b = args.compare
         out = Path(args.out) if args.out else default_report_dir("compare")
@@ -132,7 +155,7 @@ def _exit_code(rows: Sequence[dict]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = Parser(prog="python -m tuner.report", description=__doc__.splitlines()[0])
+    parser = Parser(prog="python -m tuner.report", description=" ".join(__doc__.split("\n\n")[0].split()))
     add_report_arguments(parser)
     try:
         return run_report(parser.parse_args(argv))

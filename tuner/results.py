@@ -141,16 +141,26 @@ def write_csv(rows: Sequence[dict], path: Path) -> None:
     atomic_write_text(Path(path), text.getvalue())
 
 
+STATUSES = ("ok", "skipped", "failed")
+INTEGER = re.compile(r"-?[0-9]+")
+NUMBER = re.compile(r"[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?|[-+]?(inf|nan)", re.IGNORECASE)
+
+
 def _cell(k: str, v: str):
-    """A CSV cell as its column's type; ValueError if it is not one."""
-    try:
-        if k in INT_COLUMNS:
-            return int(v)
-        if k in FLOAT_COLUMNS or k.startswith("speedup_vs_"):
-            return float(v)
-    except ValueError:
-        raise ValueError(f"expected {'an integer' if k in INT_COLUMNS else 'a number'}, got "
-                         f"{v!r}") from None
+    """A CSV cell as its column's type, written as write_csv writes it; ValueError otherwise
+    (Python's int() and float() would also take '1_0' and ' 8 ')."""
+    if k in INT_COLUMNS:
+        if not INTEGER.fullmatch(v):
+            raise ValueError(f"expected an integer, got {v!r}")
+        return int(v)
+    if k in FLOAT_COLUMNS or k.startswith("speedup_vs_"):
+        if not NUMBER.fullmatch(v):
+            raise ValueError(f"expected a number, got {v!r}")
+        return float(v)
+    if k == "status" and v not in STATUSES:
+        raise ValueError(f"expected one of {list(STATUSES)}, got {v!r}")
+    if k == "impl_kind" and v not in I.KINDS:
+        raise ValueError(f"expected one of {list(I.KINDS)}, got {v!r}")
     if k in BOOL_COLUMNS:
         low = v.lower()
         if low not in ("true", "1", "yes", "false", "0", "no"):
@@ -163,13 +173,16 @@ def read_csv(path: str | Path) -> list[dict]:
     """Rows of a results.csv with typed values (None for empty cells).
 
     Raises ValueError for a file that is not a report CSV: missing REQUIRED_COLUMNS (all named),
-    an empty cell of CELL_COLUMNS or a cell not of its column's type (line and column named).
+    a row with more or fewer cells than columns, an empty cell of CELL_COLUMNS, a cell not of its
+    column's type or values, a shape cell its fields do not name, or a (shape, impl) pair twice
+    (line and column named).
     An empty or absent error_ok is derived as rel_error <= tolerance, as the benchmark does
     (None when either is unknown).
     """
     rows = []
+    seen: dict[tuple[str, str], int] = {}
     try:
-        with open(path, newline="") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a BOM, as spreadsheets write
             reader = csv.DictReader(f)
             header = [RENAMED_COLUMNS.get(c, c) for c in reader.fieldnames or []]
             if not header:
@@ -184,7 +197,9 @@ def read_csv(path: str | Path) -> list[dict]:
                     if k is None:  # more cells than the header has columns
                         raise ValueError(f"{where}: more cells than columns")
                     k = RENAMED_COLUMNS.get(k, k)
-                    if v is None or v == "":
+                    if v is None:  # fewer cells than the header has columns
+                        raise ValueError(f"{where}: fewer cells than columns (a file cut short?)")
+                    if v == "":
                         row[k] = "" if k in TEXT_COLUMNS else None
                         continue
                     try:
@@ -195,15 +210,25 @@ def read_csv(path: str | Path) -> list[dict]:
                 if empty:
                     raise ValueError(f"{where}: empty cell(s) in column(s) {empty}")
                 try:
-                    spec_of(row)
+                    name = spec_of(row).name
                 except ValueError as e:
                     raise ValueError(f"{where}: {e}") from None
+                if name != row["shape"]:
+                    raise ValueError(f"{where}: the shape cell {row['shape']!r} disagrees with the row's fields, "
+                                     f"which name {name!r}")
+                first = seen.setdefault((row["shape"], row["impl"]), reader.line_num)
+                if first != reader.line_num:
+                    raise ValueError(f"{where}: {row['shape']} {row['impl']} again (first on line {first})")
                 if row.get("error_ok") is None:
                     err, tol = row.get("rel_error"), row.get("tolerance")
                     row["error_ok"] = None if err is None or tol is None else bool(err <= tol)
                 rows.append(row)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not a text CSV ({e})") from None
+    except csv.Error as e:  # e.g. a quote never closed: a field past the csv module's limit
+        raise ValueError(f"{path}: not a report CSV ({e})") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: a folder, not a report CSV") from None
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows

@@ -83,12 +83,17 @@ def enable(model: torch.nn.Module) -> None:
     """
     api = register()
     _check_geometry(model)
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION if api == "5.17" else "sdpa")
+    except ValueError as e:  # the model's own attention refuses that implementation
+        needed = ATTN_IMPLEMENTATION if api == "5.17" else "sdpa (whose decode steps tsdecode replaces)"
+        raise NotImplementedError(f"tsdecode runs {type(model).__name__}'s decode attention through "
+                                  f"transformers {transformers.__version__}'s {needed}, which this model does not "
+                                  f"support: {e}") from e
     if not hasattr(model, _PREVIOUS):
-        setattr(model, _PREVIOUS, model.config._attn_implementation)
-    if api == "5.17":
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    else:
-        model.set_attn_implementation("sdpa")
+        setattr(model, _PREVIOUS, previous)
+    if api != "5.17":
         for module in model.modules():
             setattr(module, _ENABLED, True)
 
