@@ -858,8 +858,10 @@ def test_a_time_budget_too_small_to_search_is_named():
     settings = tuner_buckets.TuneSettings(time_budget=10, timing="wall", top_k=3, retime_rounds=2)
     assert settings.retime_reserve_s() == 4 * (2 * 0.5 + 0.5)
     warning = settings.budget_warning(4)
-    assert "leaves each of the 4 buckets about 2.5 s, no more than the 6.0 s" in warning
+    assert "leaves each of the 4 buckets about 2.5 s, of which re-timing its finalists takes 6.0 s: 0.0 s" in warning
     assert "--time-budget 48 or more" in warning
+    almost = tuner_buckets.TuneSettings(time_budget=40, timing="wall", top_k=3, retime_rounds=2).budget_warning(4)
+    assert "about 10.0 s, of which re-timing its finalists takes 6.0 s: 4.0 s to search" in almost
     assert tuner_buckets.TuneSettings(time_budget=48, timing="wall", top_k=3, retime_rounds=2).budget_warning(4) is None
     assert tuner_buckets.TuneSettings().budget_warning(4) is None
 

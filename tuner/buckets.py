@@ -86,16 +86,18 @@ class TuneSettings:
         return (self.top_k + 1) * (self.retime_rounds * per + 0.5)
 
     def budget_warning(self, num_buckets: int) -> str | None:
-        """A warning when --time-budget leaves a bucket no time to search past the default."""
+        """A warning when --time-budget leaves a bucket less time to search than to re-time its
+        finalists: such a bucket measures the default and few configs besides, if any."""
         if self.time_budget is None or num_buckets < 1:
             return None
         share, reserve = self.time_budget / num_buckets, self.retime_reserve_s()
-        if share > reserve:
+        if share >= 2 * reserve:
             return None
         return (f"warning: --time-budget {self.time_budget:g} leaves each of the {num_buckets} buckets about "
-                f"{share:.1f} s, no more than the {reserve:.1f} s that re-timing its finalists takes: those "
-                f"buckets measure the heuristic default only; --time-budget {2 * reserve * num_buckets:.0f} or "
-                "more leaves each as long again to search")
+                f"{share:.1f} s, of which re-timing its finalists takes {reserve:.1f} s: {max(0.0, share - reserve):.1f} "
+                f"s to search, the heuristic default and few configs besides; --time-budget "
+                f"{2 * reserve * num_buckets:.0f} or more leaves each as long to search as to re-time (fewer "
+                "--top-k or --retime-rounds shorten the re-timing)")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TuneSettings":
