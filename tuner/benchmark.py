@@ -30,7 +30,6 @@ from .results import (
 )
 
 
-
 def _parse_impls(text: str) -> list[I.Impl]:
     if text.strip() in ("", "all"):
         return list(I.IMPLS.values())

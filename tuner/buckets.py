@@ -19,7 +19,6 @@ from .space import SpaceLimits, build_space, config_text
 from .table_writer import readable_table
 
 
-
 @dataclass(frozen=True)
 class Bucket:
     """The shapes of one (problem class, bucket) study."""

@@ -127,7 +127,6 @@ def preset(name: str) -> list[ShapeSpec]:
     return list(PRESETS[name])
 
 
-
 def _heads_list(text: str) -> list[tuple[int, int]]:
     """'32:8,64:8' -> [(32, 8), (64, 8)] (query heads : KV heads)."""
     pairs = []

@@ -23,7 +23,6 @@ from .pages import GOOD_FRACTION, render_compare, render_html, summary
 from .results import Table, default_report_dir, read_csv, write_csv
 
 
-
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tsdecode-tune report`` (and ``python -m tuner.report``)."""
     add_grid_arguments(parser)
