@@ -361,24 +361,34 @@ def test_without_the_tune_extra_one_line_and_exit_2(tmp_path):
 # ---- resume ---------------------------------------------------------------------------------
 
 
-@cpu_only
-def test_resume_after_kill_loses_and_repeats_nothing(tmp_path):
-    out = tmp_path / "resume"
-    args = [*TINY, "--batch-sizes", "1,3", "--trials", "6", "--block-m", "2,16", "--num-kv-splits", "1,2",
+def _tune_in_a_process(out: Path, trials: int) -> tuple[list[str], dict, subprocess.Popen]:
+    """(args, env, process) of a two-bucket CPU tune into ``out``, started as a child process."""
+    args = [*TINY, "--batch-sizes", "1,3", "--trials", str(trials), "--block-m", "2,16", "--num-kv-splits", "1,2",
             "--num-warps", "4", "--num-stages", "2", "--out", str(out), *FAST]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "TRITON_INTERPRET": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tuner", *args], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
+    return args, env, proc
+
+
+def _wait_for(logged, out: Path, proc: subprocess.Popen, seconds: float, what: str) -> None:
+    """Poll until ``logged(out)`` holds while the run is alive; fail naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if out.exists() and list(out.glob("*_trials.jsonl")) and logged(out):
+            return
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.05)
+    pytest.fail(f"{what} in time")
+
+
+@cpu_only
+def test_resume_after_kill_loses_and_repeats_nothing(tmp_path):
+    out = tmp_path / "resume"
+    args, env, proc = _tune_in_a_process(out, trials=6)
     try:
-        while time.monotonic() < deadline:
-            if out.exists() and list(out.glob("*_trials.jsonl")) and len(_records(out)) >= 4:
-                break
-            assert proc.poll() is None, proc.stderr.read().decode()
-            time.sleep(0.05)
-        else:
-            pytest.fail("no trials logged in time")
+        _wait_for(lambda out: len(_records(out)) >= 4, out, proc, 120, "no trials logged")
     finally:
         proc.kill()  # SIGKILL: no cleanup, like a crash
         proc.wait()
@@ -517,26 +527,14 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     """timeout, Slurm, docker stop and systemd send SIGTERM: the run says so at once, writes the
     buckets it finished, exits 130 without a traceback, and a second signal breaks nothing."""
     out = tmp_path / "term"
-    args = [*TINY, "--batch-sizes", "1,3", "--trials", "4", "--block-m", "2,16", "--num-kv-splits", "1,2",
-            "--num-warps", "4", "--num-stages", "2", "--out", str(out), *FAST]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "TRITON_INTERPRET": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tuner", *args], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 240
+    _, _, proc = _tune_in_a_process(out, trials=4)
     try:
-        while time.monotonic() < deadline:  # the first bucket final, the second begun
-            if out.exists() and list(out.glob("*_trials.jsonl")) and _records(out, "final") and \
-                    len(_records(out)) > len(_records(out, "final")) + 4:
-                break
-            assert proc.poll() is None, proc.stderr.read().decode()
-            time.sleep(0.05)
-        else:
-            pytest.fail("the first bucket did not finish in time")
+        _wait_for(lambda out: _records(out, "final") and len(_records(out)) > len(_records(out, "final")) + 4,
+                  out, proc, 240, "the first bucket did not finish")  # and the second has begun
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)  # impatient: must not break the writing
-        stdout, stderr = proc.communicate(timeout=120)
+        _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
