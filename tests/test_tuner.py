@@ -564,6 +564,7 @@ def test_a_second_tuner_on_the_same_study_exits_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert "tsdecode-tune: error: another tuner is using" in err and "different --out" in err
         assert "Traceback" not in err and not list(tmp_path.glob("*_trials.jsonl"))
+        assert "grid:" not in err and "table:" not in err  # refused before the run's header lines
         assert s.get_trials(deepcopy=False)[live.number].state.name == "RUNNING"
     finally:
         first.release()

@@ -484,13 +484,13 @@ def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: b
         identity = _identity(hello)
         props, copy_bw = identity.device, identity.copy_bandwidth_gbs
         paths = OutputPaths.for_device(props.name, table_dir, work_dir, args.storage)
+        lock, storage = _open_run_storage(paths, heartbeat, paths.jsonl)  # first: a refused run says only why
         echo(f"device: {props.describe()}; copy bandwidth {copy_bw:.0f} GB/s"
              + (" (host memory, wall-clock)" if cpu else ""))
         buckets = group_buckets(specs)
         echo(f"grid: {len(specs)} shapes in {len(buckets)} buckets; {args.trials} configs per bucket"
              + (f", time budget {args.time_budget:.0f} s" if args.time_budget else ""))
         echo(f"table: {paths.table}\ntrial log: {paths.jsonl}\ntrials CSV: {paths.csv}\nstudy storage: {paths.storage}")
-        lock, storage = _open_run_storage(paths, heartbeat, paths.jsonl)
         job = _define_job(args, storage, specs, settings, heartbeat, props, paths.table, cpu)
         if job is not None:
             try:
@@ -566,14 +566,14 @@ def _tune_supervised(args, slots, specs, table_dir: Path, work_dir: Path, cpu: b
     settings, heartbeat = _settings(args, cpu, max(1, compile_workers))
     t_start = time.monotonic()
     paths = OutputPaths.for_device(props.name, table_dir, work_dir, args.storage)
-    echo(f"devices: {len(slots)} x {props.describe()}: {', '.join(s.label for s in slots)}; {compile_workers} "
-         f"compile process{'es' if compile_workers != 1 else ''} per worker")
-    buckets = group_buckets(specs)
-    echo(f"grid: {len(specs)} shapes in {len(buckets)} buckets; {args.trials} configs per bucket"
-         + (f", time budget {args.time_budget:.0f} s" if args.time_budget else ""))
-    echo(f"table: {paths.table}\ntrial log: {paths.jsonl}\ntrials CSV: {paths.csv}\nstudy storage: {paths.storage}")
-    lock, storage = _open_run_storage(paths, heartbeat, paths.jsonl)
+    lock, storage = _open_run_storage(paths, heartbeat, paths.jsonl)  # first: a refused run says only why
     try:
+        echo(f"devices: {len(slots)} x {props.describe()}: {', '.join(s.label for s in slots)}; {compile_workers} "
+             f"compile process{'es' if compile_workers != 1 else ''} per worker")
+        buckets = group_buckets(specs)
+        echo(f"grid: {len(specs)} shapes in {len(buckets)} buckets; {args.trials} configs per bucket"
+             + (f", time budget {args.time_budget:.0f} s" if args.time_budget else ""))
+        echo(f"table: {paths.table}\ntrial log: {paths.jsonl}\ntrials CSV: {paths.csv}\nstudy storage: {paths.storage}")
         job = _define_job(args, storage, specs, settings, heartbeat, props, paths.table, cpu)
         if job is None:
             return _finish(storage, None, paths, [], t_start, cpu, grid=specs)
