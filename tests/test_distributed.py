@@ -442,7 +442,7 @@ def test_the_job_record_holds_what_a_worker_needs(one_worker):
 
 
 def test_compile_processes_share_the_host():
-    assert compile_workers_per_device(1, cpus=16) == 8  # one GPU: min(8, CPUs - 4), as before
+    assert compile_workers_per_device(1, cpus=16) == 8  # one GPU: min(8, CPUs - 4)
     assert compile_workers_per_device(1, cpus=6) == 2
     assert compile_workers_per_device(8, cpus=16) == 1  # never none
     assert compile_workers_per_device(8, cpus=128) == 8

@@ -53,9 +53,12 @@ class DeviceProperties:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DeviceProperties":
+        """From ``to_dict`` (a table's device) or ``dataclasses.asdict`` (every field)."""
         cc = data["compute_capability"]
         return cls(data["name"], int(data["sm_count"]), (int(cc[0]), int(cc[1])),
-                   int(data.get("total_memory", 0)))
+                   int(data.get("total_memory", 0)),
+                   int(data.get("shared_memory_per_sm", DEFAULT_SHARED_MEMORY_PER_SM)),
+                   int(data.get("registers_per_sm", DEFAULT_REGISTERS_PER_SM)))
 
 
 _override: DeviceProperties | None = None

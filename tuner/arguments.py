@@ -13,6 +13,12 @@ class UsageError(Exception):
     """A bad command line, grid or environment: the message goes to stderr, the exit code is 2."""
 
 
+class ToolError(RuntimeError):
+    """A one-line failure of a storage, a job or the run lock (``study.StorageError``,
+    ``job.JobError``, ``study.StudyBusy``): ``cli.main`` prints "tsdecode-tune: error: <message>"
+    and exits 2."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that raises UsageError instead of printing usage and exiting."""
 

@@ -144,6 +144,22 @@ class BucketResult:
                    final["pruned"], final.get("note", ""), resumed=resumed, cut_short=final.get("cut_short", False))
 
 
+def final_of(study_attrs: dict[str, Any], trials: int) -> dict[str, Any] | None:
+    """A study's result for a budget of ``trials`` measured configs: its "final" (a winner) or
+    "failed" (no valid config) attribute, if written for at least that budget (else None: a larger
+    --trials searches on)."""
+    for key in ("final", "failed"):
+        rec = study_attrs.get(key)
+        if rec and rec.get("trials_budget", 0) >= trials:
+            return rec
+    return None
+
+
+def measured_trials(trials: Iterable) -> list:
+    """The finished trials that measured their fitted config (not duplicates of another)."""
+    return [t for t in trials if t.state.is_finished() and t.user_attrs.get("measured")]
+
+
 def summary_table(results: Sequence[BucketResult]) -> str:
     """Best config per bucket, its speedup over the heuristic default, fraction of copy bandwidth."""
     head = ("bucket (B,L)", "shape(s)", "best config", "us", "default us", "speedup", "% copy", "trials")

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from .arguments import PROG, Parser, UsageError
+from .arguments import PROG, Parser, ToolError, UsageError
 from .parsers import build_parser, unknown_flags
 
 SUBCOMMANDS = ("tune", "worker", "export", "create", "explain", "report")
@@ -178,6 +178,19 @@ def where_the_table_is_used(table: Path, spec) -> list[str]:
     return lines
 
 
+def smoke_note(specs, cpu: bool) -> list[str]:
+    """A closing line for a run of the smoke preset alone: its shapes are tiny test shapes, so a
+    model's shapes are still untuned (a GPU then has a table, and plans no longer hint at tuning)."""
+    from .grids import PRESETS
+
+    if set(specs) != set(PRESETS["smoke"]):
+        return []
+    models = ", ".join(name for name in PRESETS if name not in ("smoke", "mha", "g16", "g32", "fp8"))
+    where = "on a GPU, tune" if cpu else "your model's shapes still get the heuristic's configs: tune"
+    return [f"the smoke preset is {len(PRESETS['smoke'])} small test shapes; {where} a model's shapes with "
+            f"`{PROG} --preset NAME` (one of {models}, ...) or --grid-file FILE"]
+
+
 def _specs(args, cpu: bool):
     from .grids import specs_from_args
 
@@ -201,6 +214,14 @@ def _check_hook(hook: str | None) -> None:
             load_hook(hook)
         except Exception as e:
             raise UsageError(f"{PROG}: error: --inject-hook: {e}") from None
+
+
+def _compile_workers(args, workers: int, cpu: bool) -> int:
+    """--compile-workers, else the host's CPUs shared by ``workers`` workers (devices.py)."""
+    from .devices import compile_workers_per_device
+
+    given = args.compile_workers
+    return given if given is not None else compile_workers_per_device(workers, cpu_mode=cpu)
 
 
 def _settings(args, cpu: bool, lookahead: int):
@@ -238,7 +259,7 @@ def _labelled(label: str):
 
 def _open(url: str, heartbeat=None, must_exist: bool = False, say=echo):
     """The storage, with Optuna heartbeats whose stale trials are queued again."""
-    from .study import StorageError, open_storage, retry_trial
+    from .study import open_storage, retry_trial
 
     def stale(study, trial) -> None:
         again = retry_trial(study, trial, "no heartbeat for the grace period")
@@ -246,14 +267,7 @@ def _open(url: str, heartbeat=None, must_exist: bool = False, say=echo):
             f"{heartbeat.grace} s (its worker died or lost the storage); "
             + (f"queued again as trial {again}" if again is not None else "not queued again"))
 
-    try:
-        return open_storage(url, heartbeat, stale if heartbeat is not None else None, must_exist=must_exist)
-    except StorageError as e:
-        raise UsageError(f"{PROG}: error: {e}") from None
-
-
-def _job_error(e) -> UsageError:
-    return UsageError(f"{PROG}: error: {e}")
+    return open_storage(url, heartbeat, stale if heartbeat is not None else None, must_exist=must_exist)
 
 
 def _start_client(args, device: str, check_requests: int, replay_ms: float):
@@ -272,22 +286,19 @@ def _start_client(args, device: str, check_requests: int, replay_ms: float):
 
 def _identity(hello):
     from tsdecode.config.tables import kernel_source_hash
+    from tsdecode.device import DeviceProperties
 
     from .job import Identity
-    from .runner import device_from_hello
 
-    return Identity(device_from_hello(hello), kernel_source_hash(), hello["triton"], hello["torch"],
+    return Identity(DeviceProperties.from_dict(hello["device"]), kernel_source_hash(), hello["triton"], hello["torch"],
                     hello["copy_bandwidth_gbs"])
 
 
 def _open_run_storage(paths, heartbeat, log_path):
     """Take the run lock, move a damaged study file aside (logged), open the storage."""
-    from .study import ResultLog, StudyBusy, lock_study, set_aside_if_damaged
+    from .study import ResultLog, lock_study, set_aside_if_damaged
 
-    try:
-        lock = lock_study(paths)
-    except StudyBusy as e:
-        raise UsageError(f"{PROG}: error: {e}") from None
+    lock = lock_study(paths)
     try:
         moved = set_aside_if_damaged(paths)
         if moved is not None:
@@ -327,17 +338,14 @@ def _define_job(args, storage, specs, settings, heartbeat, device_props, table: 
         echo(warning)
     name = args.job if args.job is not None else J.default_job_name(specs, settings, device_props.name)
     previous = table_winners(table, buckets, device_props, settings.limits)
-    job = J.Job(name, tuple(specs), settings, heartbeat, previous, cpu, started=time.time())
-    try:
-        return J.save_job(storage, job)
-    except J.JobError as e:
-        raise _job_error(e) from None
+    return J.save_job(storage, J.Job(name, tuple(specs), settings, heartbeat, previous, cpu, started=time.time()))
 
 
 def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequence[str] = (),
             grid: Sequence = ()) -> int:
     """Write the table from the storage, the CSV, the summary and the closing lines; ``grid``: the
-    run's shapes (where --stale-only left no job, the closing lines name one of them)."""
+    run's shapes (the closing lines name one of them where --stale-only left no job, and say
+    when they were only the smoke preset's)."""
     from . import job as J
     from .buckets import summary_table
     from .study import write_trials_csv
@@ -371,7 +379,7 @@ def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequ
     specs = job.specs if job is not None else tuple(grid)
     tuned = next((r.bucket.representative for r in results if r.ok), specs[0] if specs else None)
     if tuned is not None:
-        for line in where_the_table_is_used(paths.table, tuned):
+        for line in where_the_table_is_used(paths.table, tuned) + smoke_note(specs, cpu):
             echo(line)
     return 0 if ok == len(results) else 1
 
@@ -386,11 +394,23 @@ def _ignore_interrupts() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
+_signalled = False  # set by _interrupt, reset by _interrupts_stop_the_run
+
+
 def _interrupt(signum, frame) -> None:
     """Ctrl-C or SIGTERM: KeyboardInterrupt, once; a second one must not break the few seconds
     of writing what is finished, so both are ignored from now on, to the end of the process."""
+    global _signalled
+    _signalled = True
     _ignore_interrupts()
     raise KeyboardInterrupt
+
+
+def _interrupted(e: BaseException) -> bool:
+    """``e`` ends the run as an interrupt: a KeyboardInterrupt, or whatever a library's cleanup
+    raised in its place (Optuna's journal lock, interrupted in ``release``, raises
+    FileNotFoundError) once a signal came."""
+    return isinstance(e, KeyboardInterrupt) or _signalled
 
 
 @contextlib.contextmanager
@@ -398,9 +418,11 @@ def _interrupts_stop_the_run():
     """SIGTERM (timeout, Slurm, docker stop, systemd) ends a run as Ctrl-C does: the finished
     buckets are written. The handlers are restored afterwards unless one came (the process is
     then ending; a late signal must not cut it short)."""
+    global _signalled
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _signalled = False
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in saved:
         signal.signal(sig, _interrupt)
@@ -425,6 +447,30 @@ def _export_interrupted(storage, job, paths) -> None:
         return
     if ex.table is not None:
         echo(f"{sum(r.ok for r in ex.results)} finished bucket(s) written to {ex.table}")
+
+
+def _supervise(args, slots, storage, storage_url: str, job, work_dir: Path, compile_workers: int,
+               progress=None) -> dict[int, int]:
+    """One ``worker`` process per slot on ``job``; the trials of one that dies are completed from
+    the log or queued again at once. Returns each slot's exit code."""
+    from . import job as J
+    from . import search
+    from .devices import Supervisor, worker_command
+    from .study import OutputPaths
+
+    commands = [worker_command(s, storage=storage_url, job=job.name, work_dir=work_dir,
+                               compile_workers=compile_workers, isolation=args.isolation, hook=args.inject_hook)
+                for s in slots]
+
+    def recover() -> None:
+        pinned = J.pinned(storage, job.name)  # None: no worker joined, so none held a trial
+        if pinned is not None:
+            log = OutputPaths.for_device(pinned.device.name, work_dir).jsonl  # the workers' shared log
+            J.each_study(storage, job, lambda study, name: search.recover_dead(
+                study, name, storage=storage, storage_url=storage_url, log_path=log, grace=job.heartbeat.grace,
+                echo=echo))
+
+    return Supervisor(slots, commands, echo=echo, recover=recover, progress=progress).run()
 
 
 def _one_slot(slot, isolation: str) -> str:
@@ -469,12 +515,9 @@ def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: b
     from . import job as J
     from . import runner, search
     from .buckets import group_buckets
-    from .devices import compile_workers_per_device
     from .study import OutputPaths
 
-    compile_workers = args.compile_workers
-    if compile_workers is None:  # leave cores to the measuring process and this one
-        compile_workers = compile_workers_per_device(1, cpu_mode=cpu)
+    compile_workers = _compile_workers(args, 1, cpu)
     settings, heartbeat = _settings(args, cpu, max(1, compile_workers))
     t_start = time.monotonic()
     client = pool = tuner = lock = storage = job = paths = None
@@ -493,10 +536,7 @@ def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: b
         echo(f"table: {paths.table}\ntrial log: {paths.jsonl}\ntrials CSV: {paths.csv}\nstudy storage: {paths.storage}")
         job = _define_job(args, storage, specs, settings, heartbeat, props, paths.table, cpu)
         if job is not None:
-            try:
-                J.pin(storage, job.name, identity)
-            except J.JobError as e:
-                raise _job_error(e) from None
+            J.pin(storage, job.name, identity)
             echo(f"job: {job.name} (other hosts join with: {PROG} worker --storage {paths.storage} --job {job.name})")
             if compile_workers > 0:
                 pool = runner.CompilePool(compile_workers, device, args.inject_hook)
@@ -514,14 +554,15 @@ def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: b
             lock.release()
         return 1
     except BaseException as e:
-        if isinstance(e, KeyboardInterrupt):
+        interrupted = _interrupted(e)
+        if interrupted:
             _stopping()
             if client is not None:
                 client.close(wait=False)
             _export_interrupted(storage, job, paths)
         if lock is not None:
             lock.release()
-        if isinstance(e, KeyboardInterrupt):
+        if interrupted:
             echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
             return 130
         raise
@@ -549,9 +590,8 @@ def _tune_supervised(args, slots, specs, table_dir: Path, work_dir: Path, cpu: b
     """The run as one worker process per slot, all on the job's studies; this process defines
     the job, reports progress and writes the table at the end."""
     from . import job as J
-    from . import search
     from .buckets import group_buckets
-    from .devices import Supervisor, compile_workers_per_device, probe, worker_command
+    from .devices import probe
     from .study import OutputPaths, ResultLog
 
     props_list = probe(slots)
@@ -560,9 +600,7 @@ def _tune_supervised(args, slots, specs, table_dir: Path, work_dir: Path, cpu: b
         raise UsageError(f"{PROG}: error: --devices {args.devices}: GPUs of several models ({', '.join(models)}); a "
                          "job tunes one model: pass the indices of one model's GPUs")
     props = props_list[0]
-    compile_workers = args.compile_workers
-    if compile_workers is None:
-        compile_workers = compile_workers_per_device(len(slots), cpu_mode=cpu)
+    compile_workers = _compile_workers(args, len(slots), cpu)
     settings, heartbeat = _settings(args, cpu, max(1, compile_workers))
     t_start = time.monotonic()
     paths = OutputPaths.for_device(props.name, table_dir, work_dir, args.storage)
@@ -582,18 +620,9 @@ def _tune_supervised(args, slots, specs, table_dir: Path, work_dir: Path, cpu: b
         log.write({"kind": "run", "device": props.to_dict(), "settings": settings.to_dict(), "job": job.name,
                    "workers": [s.label for s in slots]})
         log.close()
-        commands = [worker_command(s, storage=paths.storage, job=job.name, work_dir=work_dir,
-                                   compile_workers=compile_workers, isolation=args.isolation, hook=args.inject_hook)
-                    for s in slots]
-
-        def recover() -> None:
-            J.each_study(storage, job, lambda study, name: search.recover_dead(
-                study, name, storage=storage, storage_url=paths.storage, log_path=paths.jsonl,
-                grace=heartbeat.grace, echo=echo))
-
         progress = None if args.no_progress else J.JobProgress(storage, job, props).line
         try:
-            codes = Supervisor(slots, commands, echo=echo, recover=recover, progress=progress).run()
+            codes = _supervise(args, slots, storage, paths.storage, job, work_dir, compile_workers, progress)
         except KeyboardInterrupt:  # the supervisor stopped the workers and said so
             _export_interrupted(storage, job, paths)
             echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
@@ -601,7 +630,7 @@ def _tune_supervised(args, slots, specs, table_dir: Path, work_dir: Path, cpu: b
         if progress is not None:
             echo(progress())
         refused = [slots[i].label for i, rc in codes.items() if rc == 2]
-        rc = _finish(storage, job, paths, None, t_start, cpu)
+        rc = _finish(storage, job, paths, None, t_start, cpu, grid=specs)
         return 2 if len(refused) == len(slots) else rc
     finally:
         lock.release()
@@ -614,17 +643,14 @@ def run_worker(args, device: str) -> int:
     from . import job as J
     from . import runner, search
     from .buckets import TuneSettings
-    from .devices import Supervisor, compile_workers_per_device, parse_devices, worker_command
+    from .devices import parse_devices
     from .study import OutputPaths
 
     if args.devices and args.device:
         raise UsageError(f"{PROG}: error: --device and --devices: give one of them")
     _quiet_optuna()
     storage = _open(args.storage, must_exist=True)
-    try:
-        job = J.load_job(storage, args.job)
-    except J.JobError as e:
-        raise _job_error(e) from None
+    job = J.load_job(storage, args.job)
     _check_hook(args.inject_hook)
     from tsdecode.config.tables import user_config_dir
 
@@ -633,39 +659,21 @@ def run_worker(args, device: str) -> int:
     slots = parse_devices(args.devices) if args.devices else None
     cpu = device == "cpu"
     if slots is not None and len(slots) > 1:
-        compile_workers = args.compile_workers
-        if compile_workers is None:
-            compile_workers = compile_workers_per_device(len(slots), cpu_mode=cpu)
-        commands = [worker_command(s, storage=args.storage, job=job.name, work_dir=work_dir,
-                                   compile_workers=compile_workers, isolation=args.isolation, hook=args.inject_hook)
-                    for s in slots]
-        storage = _open(args.storage, job.heartbeat)
-
-        def recover() -> None:
-            logs = sorted(work_dir.glob("*_trials.jsonl"))  # the workers' shared log, once they made it
-            J.each_study(storage, job, lambda study, name: search.recover_dead(
-                study, name, storage=storage, storage_url=args.storage,
-                log_path=logs[0] if logs else work_dir / "none.jsonl", grace=job.heartbeat.grace, echo=echo))
-
-        codes = Supervisor(slots, commands, echo=echo, recover=recover).run()
+        codes = _supervise(args, slots, _open(args.storage, job.heartbeat), args.storage, job, work_dir,
+                           _compile_workers(args, len(slots), cpu))
         return max(codes.values(), default=0)
     if slots is not None:
         device = _one_slot(slots[0], args.isolation)
     label = args.label or f"{socket.gethostname()}/{device}"
     say = _labelled(label)
     storage = _open(args.storage, job.heartbeat, say=say)
-    compile_workers = args.compile_workers
-    if compile_workers is None:
-        compile_workers = compile_workers_per_device(1, cpu_mode=cpu)
+    compile_workers = _compile_workers(args, 1, cpu)
     settings = TuneSettings.from_dict({**job.settings.to_dict(), "lookahead": max(1, compile_workers)})
     client = pool = tuner = None
     try:
         client, hello = _start_client(args, device, settings.check_requests, settings.replay_ms)
         identity = _identity(hello)
-        try:
-            J.pin(storage, job.name, identity)
-        except J.JobError as e:
-            raise _job_error(e) from None
+        J.pin(storage, job.name, identity)
         job = J.mark_started(storage, job)
         props = identity.device
         paths = OutputPaths.for_device(props.name, work_dir, work_dir, args.storage)
@@ -684,7 +692,9 @@ def run_worker(args, device: str) -> int:
     except runner.WorkerUnavailable as e:
         say(f"{PROG}: error: {e}")
         return 1
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not _interrupted(e):
+            raise
         _stopping(say=say, what="the measuring process")
         if client is not None:
             client.close(wait=False)
@@ -711,10 +721,7 @@ def run_export(args) -> int:
 
     _quiet_optuna()
     storage = _open(args.storage, must_exist=True)
-    try:
-        job = J.load_job(storage, args.job)
-    except J.JobError as e:
-        raise _job_error(e) from None
+    job = J.load_job(storage, args.job)
     table_dir = _folder(Path(args.out) if args.out else user_config_dir(),
                         "--out" if args.out else "the user cache folder")
     identity = J.pinned(storage, job.name)
@@ -752,10 +759,7 @@ def run_create(args) -> int:
     settings, heartbeat = _settings(args, cpu, 1)
     storage = _open(args.storage)
     name = args.job if args.job is not None else J.default_job_name(specs, settings, "")
-    try:
-        job = J.save_job(storage, J.Job(name, tuple(specs), settings, heartbeat, interpreter=cpu))
-    except J.JobError as e:
-        raise _job_error(e) from None
+    job = J.save_job(storage, J.Job(name, tuple(specs), settings, heartbeat, interpreter=cpu))
     print(job.name)
     echo(f"job {job.name}: {len(specs)} shapes in {len(job.buckets)} buckets; workers join with: "
          f"{PROG} worker --storage {args.storage} --job {job.name} [--devices all]")
@@ -818,7 +822,7 @@ def _as_explain_flags(message: str) -> str:
 def run_report(report_argv: list[str]) -> int:
     from . import report
 
-    parser = Parser(prog=f"{PROG} report", description=" ".join((report.__doc__ or "").split("\n\n")[0].split()))
+    parser = Parser(prog=f"{PROG} report", description=report.help_description())
     report.add_report_arguments(parser)
     return int(report.run_report(parser.parse_args(report_argv)) or 0)
 
@@ -854,6 +858,9 @@ def _main(argv: list[str]) -> int:
         return run_tune(args, device)
     except UsageError as e:
         print(str(e), file=sys.stderr)
+        return 2
+    except ToolError as e:  # a storage, job or run lock refused: one line
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0

@@ -28,8 +28,7 @@ from .arguments import PROG, UsageError
 
 # A worker that dies is restarted this many times (per device) before the run goes on without it.
 MAX_RESTARTS = 3
-# Compile processes per worker: never more than this (what one measuring GPU can use; a single
-# GPU run keeps its old default of min(8, CPUs - 4)).
+# Compile processes per worker: never more than this (what one measuring GPU keeps busy).
 MAX_COMPILE_WORKERS = 8
 # CPUs kept free: for the supervisor and, per worker, its own process and its measuring process.
 RESERVED_CPUS, CPUS_PER_WORKER = 2, 2
@@ -82,7 +81,7 @@ def parse_devices(text: str) -> list[Slot]:
 def compile_workers_per_device(workers: int, cpus: int | None = None, cpu_mode: bool = False) -> int:
     """Compile processes for each of ``workers`` GPU workers: the host's CPUs less RESERVED_CPUS
     and CPUS_PER_WORKER per worker, split evenly, between 1 and MAX_COMPILE_WORKERS (one GPU:
-    min(8, CPUs - 4), as before). 0 in the interpreter, where there is nothing to precompile."""
+    min(8, CPUs - 4)). 0 in the interpreter, where there is nothing to precompile."""
     if cpu_mode:
         return 0
     cpus = cpus or os.cpu_count() or 1
@@ -110,11 +109,7 @@ def probe(slots: Sequence[Slot]):
     if r.returncode != 0:
         raise UsageError(f"{PROG}: error: --devices: cannot read the GPUs' properties: "
                          f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
-    out = []
-    for d in json.loads(r.stdout.strip().splitlines()[-1]):
-        d["compute_capability"] = tuple(d["compute_capability"])
-        out.append(DeviceProperties(**d))
-    return out
+    return [DeviceProperties.from_dict(d) for d in json.loads(r.stdout.strip().splitlines()[-1])]
 
 
 def _pythonpath() -> str:

@@ -15,6 +15,8 @@ from .arguments import int_list
 
 # The dtypes a grid may name, by the names tables and reports use (``tables.dtype_name``).
 DTYPES = {dtype_name(d): d for d in (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32)}
+# The names a query or a K/V cache may have (float32 is an output dtype only).
+INPUT_DTYPE_NAMES = ("float16", "bfloat16", "float8_e4m3fn")
 
 
 @dataclass(frozen=True)
@@ -152,9 +154,10 @@ def add_grid_arguments(parser) -> None:
     g.add_argument("--heads", default="32:8", help="custom grid: HQ:HKV pairs, e.g. 32:8,64:8")
     g.add_argument("--head-dim", default="128", help="custom grid: head dims, e.g. 64,128")
     g.add_argument("--page-sizes", default="16", help="custom grid: page sizes, e.g. 1,16,64")
-    g.add_argument("--kv-dtypes", default="bfloat16", help="custom grid: K/V dtypes (q/out follow "
-                   "unless --q-dtype is given; an fp8 cache takes bf16 q)")
-    g.add_argument("--q-dtype", default=None, help=f"custom grid: query dtype, one of {', '.join(DTYPES)} "
+    g.add_argument("--kv-dtypes", default="bfloat16", help="custom grid: K/V dtypes, of "
+                   f"{', '.join(INPUT_DTYPE_NAMES)} (q/out follow unless --q-dtype is given; an fp8 cache takes "
+                   "bf16 q)")
+    g.add_argument("--q-dtype", default=None, help=f"custom grid: query dtype, one of {', '.join(INPUT_DTYPE_NAMES)} "
                    "(default: the K/V dtype, bfloat16 for an fp8 cache)")
     g.add_argument("--seq-len-q", type=int, default=1, help="custom grid: query tokens per request")
     g.add_argument("--packed", action="store_true", help="custom grid: packed queries (qo_indptr)")
@@ -294,7 +297,7 @@ def _custom_grid(opts: dict, where: str = "") -> list[ShapeSpec]:
         o_dtype = "bfloat16" if q == "float8_e4m3fn" else q
         try:
             V.resolve_dtypes(DTYPES[q], DTYPES[kv_dtype], DTYPES[o_dtype])
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, NotImplementedError) as e:
             with_q = f" with {name('q_dtype')} {q}" if q_given else ""
             raise ValueError(f"{name('kv_dtypes')} {kv_dtype}{with_q}: {e}") from None
         specs += grid(

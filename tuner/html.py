@@ -101,7 +101,6 @@ class Series:
     label: str
     points: list[tuple[float, float]]
     color: str
-    dashed: bool = False
     tooltips: list[str] | None = None
 
 
@@ -115,24 +114,22 @@ class HLine:
 
 def line_chart(
     series: Sequence[Series], *, title: str, x_label: str, y_label: str, hlines: Sequence[HLine] = (),
-    log2_x: bool = True, width: int = 640, height: int = 380, y_max: float | None = None,
-    legend_title: str = "", x_format: Callable[[float], str] = fmt_tokens,
+    width: int = 640, height: int = 380, y_max: float | None = None, legend_title: str = "",
 ) -> str:
     """Lines with markers; x on a log2 axis (ticks at powers of two), y linear from 0."""
     ml, mr, mt, mb = 70, 150, 40, 52
     pw, ph = width - ml - mr, height - mt - mb
     xs = [x for s in series for x, _ in s.points] or [1.0]
     ys = [y for s in series for _, y in s.points] + [h.y for h in hlines] + [0.0]
-    tx = (lambda v: math.log2(v)) if log2_x else (lambda v: v)
-    x0, x1 = tx(min(xs)), tx(max(xs))
-    pad = max(0.35, (x1 - x0) * 0.06) if log2_x else max(1e-9, (x1 - x0) * 0.06)
+    x0, x1 = math.log2(min(xs)), math.log2(max(xs))
+    pad = max(0.35, (x1 - x0) * 0.06)
     x0, x1 = x0 - pad, x1 + pad
     top = y_max if y_max is not None else max(ys) * 1.08 or 1.0
     yticks = [t for t in nice_ticks(0, top, 6) if t <= top * 1.0001]
     top = max(top, yticks[-1])
 
     def px(v: float) -> float:
-        return ml + (tx(v) - x0) / (x1 - x0) * pw
+        return ml + (math.log2(v) - x0) / (x1 - x0) * pw
 
     def py(v: float) -> float:
         return mt + ph - v / top * ph
@@ -142,17 +139,12 @@ def line_chart(
         y = py(t)
         out.append(f'<line x1="{ml}" x2="{ml + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="{GRID}"/>')
         out.append(_text(ml - 8, y + 4, fmt_tick(t), size=11, anchor="end", color=AXIS))
-    if log2_x:
-        xticks = [2.0**k for k in range(math.ceil(x0), math.floor(x1) + 1)]
-        if len(xticks) > 10:
-            step = math.ceil(len(xticks) / 10)
-            xticks = xticks[::step]
-    else:
-        xticks = nice_ticks(min(xs), max(xs))
+    xticks = [2.0**k for k in range(math.ceil(x0), math.floor(x1) + 1)]
+    xticks = xticks[::max(1, math.ceil(len(xticks) / 10))]
     for t in xticks:
         x = px(t)
         out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{mt}" y2="{mt + ph}" stroke="{GRID}"/>')
-        out.append(_text(x, mt + ph + 17, x_format(t), size=11, anchor="middle", color=AXIS))
+        out.append(_text(x, mt + ph + 17, fmt_tokens(t), size=11, anchor="middle", color=AXIS))
     out.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="{AXIS}"/>')
     out.append(_text(ml + pw / 2, height - 10, x_label, size=13, anchor="middle"))
     out.append(_text(18, mt + ph / 2, y_label, size=13, anchor="middle", rotate=-90))
@@ -167,8 +159,7 @@ def line_chart(
         pts = sorted(s.points)
         if len(pts) > 1:
             path = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)
-            dash = ' stroke-dasharray="5 3"' if s.dashed else ""
-            out.append(f'<polyline points="{path}" fill="none" stroke="{s.color}" stroke-width="2"{dash}/>')
+            out.append(f'<polyline points="{path}" fill="none" stroke="{s.color}" stroke-width="2"/>')
         tips = dict(zip(s.points, s.tooltips or []))
         for x, y in pts:
             tip = tips.get((x, y), f"{s.label}: {fmt_tokens(x)}, {fmt_num(y)}")
@@ -179,9 +170,8 @@ def line_chart(
         out.append(_text(lx, ly + 4, legend_title, size=12, weight="bold"))
         ly += 20
     for s in series:
-        dash = ' stroke-dasharray="5 3"' if s.dashed else ""
         out.append(f'<line x1="{lx}" x2="{lx + 22}" y1="{ly:.1f}" y2="{ly:.1f}" stroke="{s.color}" '
-                   f'stroke-width="2"{dash}/><circle cx="{lx + 11}" cy="{ly:.1f}" r="3.5" fill="{s.color}"/>')
+                   f'stroke-width="2"/><circle cx="{lx + 11}" cy="{ly:.1f}" r="3.5" fill="{s.color}"/>')
         out.append(_text(lx + 28, ly + 4, s.label, size=12))
         ly += 19
     out.append("</svg>")

@@ -36,7 +36,8 @@ from optuna.trial import TrialState
 from tsdecode.config.tables import TableEntry, table_filename
 from tsdecode.device import DeviceProperties
 
-from .buckets import Bucket, BucketResult, TuneSettings, bucket_space, group_buckets
+from .arguments import ToolError
+from .buckets import Bucket, BucketResult, TuneSettings, bucket_space, final_of, group_buckets, measured_trials
 from .grids import ShapeSpec
 from .space import space_size
 from .study import Heartbeat
@@ -49,7 +50,7 @@ NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 JOB_FORMAT = 1
 
 
-class JobError(RuntimeError):
+class JobError(ToolError):
     """An unknown job, a bad job name, a job defined otherwise, a refused worker: one line
     (exit code 2)."""
 
@@ -189,9 +190,7 @@ class Identity:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Identity":
-        dev = dict(data["device"])
-        dev["compute_capability"] = tuple(dev["compute_capability"])
-        return cls(DeviceProperties(**dev), data["kernel_hash"], data["triton"], data["torch"],
+        return cls(DeviceProperties.from_dict(data["device"]), data["kernel_hash"], data["triton"], data["torch"],
                    data.get("copy_bandwidth_gbs"))
 
 
@@ -274,10 +273,6 @@ class Export:
     results: list[BucketResult]  # one per bucket: final, failed, or pending (not finished)
     table: Path | None  # written, or None (nothing final yet)
 
-    @property
-    def finished(self) -> int:
-        return sum(not r.pending for r in self.results)
-
 
 def _results(storage, job: Job) -> list[BucketResult]:
     names = study_names(storage, job)
@@ -285,16 +280,11 @@ def _results(storage, job: Job) -> list[BucketResult]:
     for bucket in job.buckets:
         name = names.get(bucket.key)
         study = _study(storage, name) if name else None
-        ua = study.user_attrs if study is not None else {}
-        trials_budget = job.settings.trials
-        final = ua.get("final")
-        if final and final.get("ok") and final.get("trials_budget", 0) >= trials_budget:
+        final = final_of(study.user_attrs, job.settings.trials) if study is not None else None
+        if final:
             results.append(BucketResult.from_final(bucket, name, final))
-        elif ua.get("failed") and ua["failed"].get("trials_budget", 0) >= trials_budget:
-            results.append(BucketResult.from_final(bucket, name, ua["failed"]))
         else:
-            measured = 0 if study is None else sum(
-                1 for t in study.get_trials(deepcopy=False) if t.state.is_finished() and t.user_attrs.get("measured"))
+            measured = 0 if study is None else len(measured_trials(study.get_trials(deepcopy=False)))
             results.append(BucketResult(bucket, name or "", False, measured=measured, pending=True))
     return results
 
@@ -354,9 +344,7 @@ class JobProgress:
             study = _study(self.storage, name) if name else None
             if study is None:
                 continue
-            ua = study.user_attrs
-            final = ua.get("final") or ua.get("failed")
-            if final and final.get("trials_budget", 0) >= self.job.settings.trials:
+            if final_of(study.user_attrs, self.job.settings.trials):
                 done += 1
                 measured += self.budget[bucket.key]
                 continue

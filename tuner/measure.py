@@ -187,11 +187,6 @@ def graph_time_us(calls: Sequence[Callable[[], object]], replay_ms: float = 80.0
     return statistics.median(graph_times_us(calls, replay_ms, min_replays))
 
 
-def wall_time_us(call: Callable[[], object], repeats: int = 1) -> float:
-    """Wall-clock median (us); for CPU/interpreter runs, where times mean nothing."""
-    return statistics.median(wall_times_us(call, repeats))
-
-
 def copy_bandwidth_gbs(device: torch.device | str = "cuda", nbytes: int = 2 * 2**30, repeats: int = 20) -> float:
     """Copy bandwidth in GB/s (1e9 B/s), counting bytes read plus written: device-to-device on a
     GPU, timed eagerly with events (a ~1 ms copy hides launch overhead; a graphed copy becomes a

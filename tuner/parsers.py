@@ -8,15 +8,23 @@ import argparse
 from .arguments import PROG, Parser, UsageError, int_list_type, nonnegative_int, positive_float, positive_int
 
 
+# The search-space flags: a KernelConfig field and what its values are.
+SPACE_FLAGS = {"block_n": "K/V tile sizes in tokens", "block_m": "query-row tile sizes",
+               "num_kv_splits": "numbers of K/V splits a request is cut into",
+               "num_warps": "warps per program", "num_stages": "pipeline stages"}
+
 # The words of tune's help and output, once in plain words (the tune and create --help).
 TUNE_WORDS = (
     "Words: a bucket is a group of the grid's shapes tuned together and given one table entry (same dtypes, "
     "heads, head dim, page size, query mode and mask; batch size and K/V length rounded up to the same powers "
     "of two), written 'bucket (B, L)'. Each bucket is searched by one Optuna study: a series of trials, each "
     "measuring one kernel config; a study's 12-digit ID hashes what its times depend on (kernel, GPU model, "
-    "shapes, space, settings, the heuristic default), so a rerun finds it again. Where the space is too large to try every config, the next configs are proposed by TPE, Optuna's "
-    "default sampler, from the times measured so far. The finalists are the best configs of a bucket, re-timed "
-    "against the heuristic default at the end. The measuring process is the child process that runs and times "
+    "shapes, space, settings, the default config), so a rerun finds it again. The default config is the one "
+    "plans pick where no table has an entry (tsdecode's heuristic). Where the space is too large to try every "
+    "config, the next configs are proposed by TPE, Optuna's default sampler, from the times measured so far. "
+    "A config is fitted to a bucket's shapes before it runs (e.g. no more K/V splits than a request has K/V "
+    "tiles); two configs that fit to the same one are measured once. The finalists are the best configs of "
+    "a bucket, re-timed with the default config at the end. The measuring process is the child process that runs and times "
     "the candidates (restarted after a crash or timeout); it is not the 'worker' subcommand.")
 
 
@@ -28,24 +36,24 @@ def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool, run: bool = True) 
     add_grid_arguments(p)
     s = p.add_argument_group("search")
     s.add_argument("--trials", type=positive_int, default=4 if cpu else 48,
-                   help="configs measured per bucket (duplicates after fitting to the shape do not count; "
-                        "default %(default)s)")
+                   help="configs measured per bucket (configs that fit to one already measured do not count; "
+                        "default 48, on the CPU 4)")
     s.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
                    help="wall-clock budget of the whole search, shared evenly by the buckets still to tune")
     s.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
     s.add_argument("--top-k", type=nonnegative_int, default=3,
-                   help="best configs of a bucket (the finalists) re-timed against the default at the end "
+                   help="best configs of a bucket (the finalists) re-timed with the default config at the end "
                         "(default %(default)s)")
     s.add_argument("--retime-rounds", type=positive_int, default=2 if cpu else 5,
-                   help="interleaved re-timing rounds (default %(default)s)")
+                   help="interleaved re-timing rounds (default 5, on the CPU 2)")
     if run:
         s.add_argument("--stale-only", action="store_true",
                        help="tune only the grid's buckets that the table lacks or holds timed against another "
-                            "heuristic default or kernel than today's (e.g. after upgrading tsdecode)")
-    for name in ("block_n", "block_m", "num_kv_splits", "num_warps", "num_stages"):
+                            "default config or kernel than today's (e.g. after upgrading tsdecode)")
+    for name, what in SPACE_FLAGS.items():
         s.add_argument(f"--{name.replace('_', '-')}", type=int_list_type, default=None, metavar="LIST",
-                       help=f"restrict KernelConfig.{name} to these values (default: those that can be "
-                            "valid for each shape)")
+                       help=f"search only these {what} (KernelConfig.{name}; default: every value that can be "
+                            "valid for the shape)")
     m = p.add_argument_group("measurement")
     if run:
         m.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
@@ -54,7 +62,7 @@ def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool, run: bool = True) 
                             "GPU), GPU indices like 0,1,3, or cpu:N (N interpreter workers, without a GPU)")
     m.add_argument("--trial-timeout", type=positive_float, default=900.0 if cpu else 300.0, metavar="SECONDS",
                    help="per-candidate limit; a candidate past it is pruned and the measuring process restarted "
-                        "(default %(default)s)")
+                        "(default 300, on the CPU 900)")
     m.add_argument("--replay-ms", type=positive_float, default=80.0,
                    help="CUDA-graph replay time per measurement (default %(default)s)")
     m.add_argument("--check-requests", type=positive_int, default=2,
@@ -63,23 +71,22 @@ def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool, run: bool = True) 
     if run:
         m.add_argument("--compile-workers", type=nonnegative_int, default=None,
                        help="processes precompiling candidates while others are measured, per worker (default: "
-                            "min(8, CPUs - 4) on one GPU, (CPUs - 2 - 2 x workers) / workers with --devices; 0 on "
-                            "CPU; 0 disables)")
+                            "(CPUs - 2 - 2 x workers) / workers, between 1 and 8, i.e. min(8, CPUs - 4) on one GPU; "
+                            "0 on the CPU; 0 disables)")
     m.add_argument("--heartbeat-grace", type=positive_float, default=None, metavar="SECONDS",
                    help="a running trial whose worker shows no sign of life for this long is failed and queued "
-                        "again (with an SQL database storage, i.e. PostgreSQL or SQLite (Optuna's RDB storage); a "
-                        "journal file has no heartbeats; this host's dead workers are noticed at once; default: 2 x "
-                        "--trial-timeout)")
+                        "again (with a PostgreSQL or SQLite storage; a journal file has no heartbeats; this host's "
+                        "dead workers are noticed at once; default: 2 x --trial-timeout)")
     if run:
         add_run_arguments(m)
     o = p.add_argument_group("output" if run else "job")
     if run:
         o.add_argument("--out", default=None, metavar="DIR",
-                       help="folder for the table, trial log/CSV and study DB (default: the table in the user "
-                            "cache folder, where plans find it, and the rest beside it in tuning/)")
-        storage = ("Optuna storage: a journal file (a path ending in .journal; the default is <work folder>/"
-                   "<device>_study.journal), sqlite:///FILE.db, or postgresql://USER@HOST:PORT/DB to let workers of "
-                   "other hosts join")
+                       help="folder for the table, the trial log and CSV, and the study storage (default: the "
+                            "table in the user cache folder, where plans find it, and the rest beside it in tuning/)")
+        storage = ("where the trials are stored (Optuna): a journal file (a path ending in .journal; default: "
+                   "<GPU>_study.journal in --out, else in the user cache folder's tuning/), sqlite:///FILE.db, or "
+                   "postgresql://USER@HOST:PORT/DB to let workers of other hosts join")
     else:
         storage = ("required: the storage the workers share: a journal file (a path ending in .journal; one "
                    "host), sqlite:///FILE.db, or postgresql://USER@HOST:PORT/DB")
@@ -133,11 +140,13 @@ def add_create_arguments(p: argparse.ArgumentParser, cpu: bool) -> None:
 
 
 def add_explain_arguments(p: argparse.ArgumentParser) -> None:
-    from .grids import DTYPES
+    from .grids import DTYPES, INPUT_DTYPE_NAMES
 
-    names = ", ".join(DTYPES)
+    names, inputs = ", ".join(DTYPES), ", ".join(INPUT_DTYPE_NAMES)
     p.add_argument("--batch-size", type=positive_int, required=True, help="requests in the batch")
-    p.add_argument("--kv-len", type=positive_int, required=True, help="K/V tokens of the longest request")
+    p.add_argument("--kv-len", type=positive_int, required=True,
+                   help="the wrapper's planned max_kv_len (its K/V capacity); for the one-shot op, the longest "
+                        "request's K/V tokens")
     p.add_argument("--heads", default="32:8", help="query heads:K/V heads, HQ:HKV (default %(default)s)")
     p.add_argument("--head-dim", type=positive_int, default=128, help="size of one head (default %(default)s)")
     p.add_argument("--page-size", type=positive_int, default=16,
@@ -152,8 +161,8 @@ def add_explain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window-left", type=int, default=-1,
                    help="sliding window, with --mask causal: each query token sees itself and at most this many "
                         "K/V tokens before it (default %(default)s: no window)")
-    p.add_argument("--q-dtype", default="bfloat16", help=f"query dtype: one of {names} (default %(default)s)")
-    p.add_argument("--kv-dtype", default=None, help=f"K/V cache dtype: one of {names} (default: as --q-dtype)")
+    p.add_argument("--q-dtype", default="bfloat16", help=f"query dtype: one of {inputs} (default %(default)s)")
+    p.add_argument("--kv-dtype", default=None, help=f"K/V cache dtype: one of {inputs} (default: as --q-dtype)")
     p.add_argument("--o-dtype", default=None, help=f"output dtype: one of {names} (default: as --q-dtype)")
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--config-dir", default=None, help="table file or folder searched first")
@@ -169,8 +178,16 @@ def build_parser(cpu: bool) -> argparse.ArgumentParser:
                                 parser_class=Parser)
     add_tune_arguments(sub.add_parser("tune", help="search configs and write the table (default)",
                                       description=TUNE_WORDS), cpu)
-    add_worker_arguments(sub.add_parser("worker", help="join a job in a shared storage and tune its studies"))
-    add_export_arguments(sub.add_parser("export", help="write a job's table from its storage (also partial)"))
+    add_worker_arguments(sub.add_parser(
+        "worker", help="join a job in a shared storage and tune its studies",
+        description="Join a job (a grid and its search settings, defined by tune or create) in a storage that "
+                    "several processes or hosts share, and measure its trials on this host's GPU(s) until every "
+                    "bucket is final; then any host writes the table with tsdecode-tune export. See "
+                    "docs/tuning.md."))
+    add_export_arguments(sub.add_parser(
+        "export", help="write a job's table from its storage (also partial)",
+        description="Write the table of a job from what its workers stored so far: the finished buckets "
+                    "(exit 0), or nothing yet (exit 1). See docs/tuning.md."))
     add_create_arguments(sub.add_parser("create", help="define a job in a storage for workers to run",
                                         description="Define a job (the grid and the search and measurement settings) "
                                                     "in a storage, for workers to run: tsdecode-tune worker --storage "

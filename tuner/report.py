@@ -23,6 +23,11 @@ from .pages import GOOD_FRACTION, render_compare, render_html, summary
 from .results import Table, default_report_dir, read_csv, write_csv
 
 
+def help_description() -> str:
+    """The module docstring's first paragraph as --help prints it (no reStructuredText)."""
+    return " ".join(__doc__.split("\n\n")[0].replace("``", "").split())
+
+
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tsdecode-tune report`` (and ``python -m tuner.report``)."""
     add_grid_arguments(parser)
@@ -33,7 +38,8 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--filter", default=None, metavar="REGEX", type=_regex,
                    help="keep only grid shapes whose name matches (re.search), e.g. 'B1_|L32768'")
     g.add_argument("--impls", default="all",
-                   help=f"comma-separated implementations (default all): {', '.join(I.IMPLS)}")
+                   help="comma-separated implementations (default all): " + "; ".join(
+                       f"{name}: {impl.description}" for name, impl in I.IMPLS.items()))
     g.add_argument("--device", default=None, help="cuda (default when available) or cpu (interpreter)")
     g.add_argument("--replay-ms", type=positive_float, default=80.0,
                    help="CUDA-graph replay time per measurement (default %(default)s)")
@@ -154,7 +160,7 @@ def _exit_code(rows: Sequence[dict]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = Parser(prog="python -m tuner.report", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = Parser(prog="python -m tuner.report", description=help_description())
     add_report_arguments(parser)
     try:
         return run_report(parser.parse_args(argv))

@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tsdecode import BatchDecodePagedTSWrapper, KernelConfig
-from tsdecode.device import INTERPRETER, DeviceProperties, device_properties
+from tsdecode.device import INTERPRETER, device_properties
 
 from . import measure
 from .grids import DTYPES, ShapeSpec
@@ -115,13 +115,6 @@ def load_hook(spec: str | None) -> Hook | None:
     return hook
 
 
-def device_from_hello(hello: dict[str, Any]) -> DeviceProperties:
-    """The measured device's properties, as the worker reported them."""
-    fields = dict(hello["device"])
-    fields["compute_capability"] = tuple(fields["compute_capability"])
-    return DeviceProperties(**fields)
-
-
 def _cuda_poisoned(error: BaseException) -> bool:
     if any(s.lower() in str(error).lower() for s in _STICKY_CUDA_ERRORS):
         return True
@@ -147,13 +140,12 @@ class Measurer:
     """Checks and times candidates on one device (the worker's whole job)."""
 
     def __init__(self, device: str = "cuda", *, hook: Hook | str | None = None,
-                 check_requests: int = 2, replay_ms: float = 80.0, cpu_copies: int = 1) -> None:
+                 check_requests: int = 2, replay_ms: float = 80.0) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.hook = load_hook(hook) if isinstance(hook, str) else hook
         self.check_requests = check_requests
         self.replay_ms = replay_ms
-        self.cpu_copies = cpu_copies
         self._prepared: dict[ShapeSpec, _Prepared] = {}
         if not self.cuda and not INTERPRETER:
             raise RuntimeError("a CPU device needs TRITON_INTERPRET=1 set before triton is imported")
@@ -174,7 +166,7 @@ class Measurer:
         prep = self._prepared.get(spec)
         if prep is not None:
             return prep
-        copies = measure.num_copies(spec) if self.cuda else self.cpu_copies
+        copies = measure.num_copies(spec) if self.cuda else 1
         sets = measure.make_inputs(spec, self.device, copies=copies, seed=0)
         s0 = sets[0]
         ref, stop, _ = measure.reference_rows(spec, s0, self.check_requests if self.cuda else spec.batch_size)
@@ -244,7 +236,7 @@ class Measurer:
         calls = [decode_call(w, s) for w, s in zip(wrappers, prep.sets)]
         if self.cuda:
             return measure.graph_time_us(calls, replay_ms=self.replay_ms)
-        return measure.wall_time_us(calls[0], repeats=1)
+        return measure.wall_times_us(calls[0])[0]
 
     def prepare(self, specs: Sequence[ShapeSpec]) -> dict[str, Any]:
         """Build the inputs and references of a bucket's specs (freeing other shapes')."""
@@ -348,11 +340,9 @@ class WorkerOptions:
     hook: str | None = None
     check_requests: int = 2
     replay_ms: float = 80.0
-    cpu_copies: int = 1
 
     def measurer(self) -> Measurer:
-        return Measurer(self.device, hook=self.hook, check_requests=self.check_requests,
-                        replay_ms=self.replay_ms, cpu_copies=self.cpu_copies)
+        return Measurer(self.device, hook=self.hook, check_requests=self.check_requests, replay_ms=self.replay_ms)
 
 
 def exit_with_parent() -> None:
@@ -454,7 +444,6 @@ class WorkerClient:
         self.start_timeout = start_timeout
         self.ctx = multiprocessing.get_context("spawn")
         self.proc = self.conn = None
-        self.restarts = 0
         self._consecutive = 0
         self.hello: dict[str, Any] | None = None
 
@@ -470,8 +459,6 @@ class WorkerClient:
     def _ensure(self) -> None:
         while self.proc is None or not self.proc.is_alive():
             self._kill()
-            if self.hello is not None:
-                self.restarts += 1
             if self._consecutive >= self.max_restarts:
                 raise WorkerUnavailable(
                     f"the measuring process failed {self._consecutive} times in a row without "

@@ -33,6 +33,7 @@ again; a bucket whose final record is in the log is not tuned again.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import statistics
@@ -53,11 +54,10 @@ from optuna.trial import TrialState
 
 from tsdecode import KernelConfig
 from tsdecode.config import tables
-from tsdecode.config.heuristic import heuristic_config
 from tsdecode.config.space import ProblemShape, fit_config
 from tsdecode.device import DeviceProperties
 
-from .buckets import Bucket, BucketResult, TuneSettings, bucket_space
+from .buckets import Bucket, BucketResult, TuneSettings, bucket_space, final_of, measured_trials
 from .measure import geomean
 from .runner import CandidateFailed, CompilePool
 from .space import (
@@ -165,19 +165,6 @@ def _study_seed(seed: int, name: str) -> int:
 
 
 @dataclass
-class _Pending:
-    """A trial this worker measures (its config compiling in the pool, or ready)."""
-
-    trial: optuna.Trial
-    params: dict[str, int]
-    config: KernelConfig
-    key: str
-    adjustments: tuple[str, ...]
-    future: Future | None
-    followers: list[tuple[optuna.Trial, dict[str, int], tuple[str, ...]]] = field(default_factory=list)
-
-
-@dataclass
 class _Held:
     """A trial of this worker whose fitted config another trial (of any worker) measures."""
 
@@ -186,6 +173,15 @@ class _Held:
     config: KernelConfig
     key: str
     adjustments: tuple[str, ...]
+
+
+@dataclass
+class _Pending(_Held):
+    """A trial this worker measures (its config compiling in the pool, or ready), and this
+    worker's trials of the same fitted config that wait for its result."""
+
+    future: Future | None = None
+    followers: list[_Held] = field(default_factory=list)
 
 
 # What a bucket's "final" study attribute (and log record) holds; _final_from_log reads it.
@@ -221,15 +217,18 @@ class _Beats:
     measuring and compiling happen in other processes, so a beat is never late for a long
     compile."""
 
-    def __init__(self, storage, interval: float) -> None:
+    def __init__(self, storage, interval: float | None) -> None:
+        """``interval`` None: no heartbeats (a journal storage, or none asked for)."""
         self.storage, self.interval = storage, interval
         self.ids: set[int] = set()
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="tsdecode-tune-heartbeat", daemon=True)
-        self.thread.start()
+        if interval is not None:
+            threading.Thread(target=self._loop, name="tsdecode-tune-heartbeat", daemon=True).start()
 
     def add(self, trial_id: int) -> None:
+        if self.interval is None:
+            return
         with self.lock:
             self.ids.add(trial_id)
         self._beat(trial_id)
@@ -255,17 +254,6 @@ class _Beats:
         self.stop.set()
 
 
-class _NoBeats:
-    def add(self, trial_id: int) -> None:
-        pass
-
-    def discard(self, trial_id: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def _set_attrs(study: optuna.Study, trial_id: int, rec: dict[str, Any]) -> None:
     """A trial's user attributes from its results-log record."""
     attrs = {"key": rec["key"], "config": rec["config"], "measured": rec["measured"],
@@ -275,6 +263,15 @@ def _set_attrs(study: optuna.Study, trial_id: int, rec: dict[str, Any]) -> None:
         attrs["prune_reason"] = rec["prune_reason"]
     for k, v in attrs.items():
         study._storage.set_trial_user_attr(trial_id, k, v)
+
+
+def _tell_record(study: optuna.Study, trial_id: int, number: int, rec: dict[str, Any]) -> None:
+    """Set a trial's attributes from its log record, then tell its state and time."""
+    _set_attrs(study, trial_id, rec)
+    if rec["state"] == "COMPLETE":
+        study.tell(number, rec["time_us"], skip_if_finished=True)
+    else:
+        study.tell(number, state=TrialState.PRUNED, skip_if_finished=True)
 
 
 def recover_dead(study: optuna.Study, name: str, *, storage, storage_url: str, log_path: Path,
@@ -310,11 +307,7 @@ def recover_dead(study: optuna.Study, name: str, *, storage, storage_url: str, l
             rec = logged.get(t.number)
             try:
                 if rec is not None:
-                    _set_attrs(study, t._trial_id, rec)
-                    if rec["state"] == "COMPLETE":
-                        study.tell(t.number, rec["time_us"], skip_if_finished=True)
-                    else:
-                        study.tell(t.number, state=TrialState.PRUNED, skip_if_finished=True)
+                    _tell_record(study, t._trial_id, t.number, rec)
                     continue
                 study._storage.set_trial_user_attr(t._trial_id, "interrupted", True)
                 if not study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL):
@@ -366,8 +359,8 @@ class Tuner:
         self.write_csv = write_csv
         self.kernel_hash = tables.kernel_source_hash()
         self.log = ResultLog(paths.jsonl)
-        beats = is_heartbeat_enabled(storage)  # RDB storages opened with a heartbeat
-        self.beats = _Beats(storage, heartbeat.interval) if beats and heartbeat is not None else _NoBeats()
+        beats = is_heartbeat_enabled(storage) and heartbeat is not None  # RDB storages opened with a heartbeat
+        self.beats = _Beats(storage, heartbeat.interval if beats else None)
         self.plan_s = 0.0  # seconds the measuring process spent planning (loading or compiling)
         self.measured_now = 0  # configs measured by this worker
         self._prepared: Bucket | None = None
@@ -377,9 +370,6 @@ class Tuner:
         """Stop the heartbeats and close the log."""
         self.beats.close()
         self.log.close()
-
-    def default_config(self, bucket: Bucket) -> KernelConfig:
-        return heuristic_config(bucket.shape, self.device)
 
     def study_name(self, bucket: Bucket, space: dict[str, Sequence[int]], default: KernelConfig) -> str:
         return study_name(bucket, space, default, self.device.name, self.kernel_hash, self.s)
@@ -431,18 +421,17 @@ class Tuner:
         name = self.study_name(bucket, space, default)
         use_grid = size <= s.trials
         study = self._open_study(bucket, name, use_grid)
-        final = study.user_attrs.get("final")
+        final = final_of(study.user_attrs, s.trials)
         earlier = None  # a final this run searches on from
-        if final and final.get("trials_budget", 0) >= s.trials and final.get("ok"):
+        if final and final.get("ok"):
             if quiet or use_grid or not self._cut_short(study, final):
                 return self._resume_final(bucket, name, final, quiet)
             self.echo(f"  an earlier run's time budget stopped it at {final['measured']} of {s.trials} configs: "
                       "searching on")
             study.set_user_attr("closed", None)
             earlier = final
-        failed = study.user_attrs.get("failed")
-        if quiet and failed and failed.get("trials_budget", 0) >= s.trials:  # finalised (no valid config) meanwhile
-            return BucketResult.from_final(bucket, name, failed)
+        elif quiet and final:  # finalised meanwhile, with no valid config
+            return BucketResult.from_final(bucket, name, final)
         self._seed(study, bucket, name, space, default, use_grid)
         self._recover(study, name)
         default_key = config_text(default)
@@ -451,7 +440,7 @@ class Tuner:
             fitted, changes = fit_config(default, shape)
             study.enqueue_trial(default.to_dict(), user_attrs=self._fitted_attrs(fitted, changes))
         if not quiet:
-            measured = sum(1 for t in trials if t.state.is_finished() and t.user_attrs.get("measured"))
+            measured = len(measured_trials(trials))
             self.echo(f"  study {name.rsplit('|', 1)[-1]}: space {size} configs ({'grid' if use_grid else 'TPE'}), "
                       f"{measured} measured before; default {config_text(default)}")
         try:
@@ -461,11 +450,9 @@ class Tuner:
             return BucketResult(bucket, name, False, default=default, note=e.reason)
         if not self._complete(study, use_grid):
             return BucketResult(bucket, name, False, default=default, pending=True)
-        ua = study.user_attrs
-        for attr in ("final", "failed"):  # another worker finalised it meanwhile
-            final = ua.get(attr)
-            if final and final.get("trials_budget", 0) >= s.trials and final != earlier:
-                return BucketResult.from_final(bucket, name, final, resumed=True)
+        final = final_of(study.user_attrs, s.trials)
+        if final and final != earlier:  # another worker finalised it meanwhile
+            return BucketResult.from_final(bucket, name, final, resumed=True)
         if self._finalising_elsewhere(study):
             return BucketResult(bucket, name, False, default=default, pending=True)
         return self._finalize(study, bucket, name, default, self._cache_from_storage(study))
@@ -529,7 +516,7 @@ class Tuner:
         shape = bucket.shape
         previous = self.previous.get(bucket.key)
         if use_grid:
-            points = [dict(zip(SPACE_FIELDS, values)) for values in _product(space)]
+            points = [dict(zip(SPACE_FIELDS, values)) for values in itertools.product(*(space[k] for k in SPACE_FIELDS))]
             random.Random(_study_seed(self.s.seed, name)).shuffle(points)
             first = [default.to_dict()] + ([previous] if previous else [])
             configs = first + [p for p in points if p not in first]
@@ -543,9 +530,6 @@ class Tuner:
             study.enqueue_trial(params, user_attrs=self._fitted_attrs(fitted, changes), skip_if_exists=not mine)
         study.set_user_attr("seeded", len(configs))
 
-    def _log_records(self) -> list[dict[str, Any]]:
-        return ResultLog.read(self.paths.jsonl)
-
     def _recover(self, study: optuna.Study, name: str) -> list[int]:
         return recover_dead(study, name, storage=self.storage, storage_url=self.storage_url, log_path=self.paths.jsonl,
                             grace=self.heartbeat.grace if self.heartbeat is not None else None, echo=self.echo)
@@ -553,11 +537,9 @@ class Tuner:
     def _final_from_log(self, name: str) -> dict[str, Any] | None:
         """The latest successful final of study ``name`` in the log (a study storage lost
         since, e.g. moved aside as corrupt, no longer holds it), as the study attribute."""
-        finals = [r for r in self._log_records() if r.get("kind") == "final" and r.get("study") == name
+        finals = [r for r in ResultLog.read(self.paths.jsonl) if r.get("kind") == "final" and r.get("study") == name
                   and r.get("ok") and FINAL_FIELDS <= r.keys()]
         return {k: finals[-1][k] for k in FINAL_FIELDS} if finals else None
-
-    _set_attrs = staticmethod(_set_attrs)
 
     @staticmethod
     def _cache_from_storage(study: optuna.Study) -> dict[str, Outcome]:
@@ -581,8 +563,7 @@ class Tuner:
             return False
         if use_grid or ua.get("closed"):
             return True
-        measured = {t.user_attrs.get("key") for t in trials if t.state.is_finished() and t.user_attrs.get("measured")}
-        return len(measured) >= self.s.trials
+        return len({t.user_attrs.get("key") for t in measured_trials(trials)}) >= self.s.trials
 
     def _finalising_elsewhere(self, study: optuna.Study) -> bool:
         """Another live worker is re-timing this bucket right now (it writes the final)."""
@@ -622,7 +603,7 @@ class Tuner:
         s = self.s
         dists = {k: CategoricalDistribution(list(v)) for k, v in space.items()}
         trials = study.get_trials(deepcopy=False)
-        done_before = sum(1 for t in trials if t.state.is_finished() and t.user_attrs.get("measured"))
+        done_before = len(measured_trials(trials))
         bar = Progress(s.trials if not use_grid else max(done_before, int(study.user_attrs.get("seeded", 1))),
                        f"bucket {bucket.bucket}", enabled=self.progress,
                        initial=min(done_before, s.trials))
@@ -668,20 +649,16 @@ class Tuner:
                     trials = study.get_trials(deepcopy=False)
                     leader = _leader(trials, key)
                     mine = next((p for p in pending if p.trial.number == getattr(leader, "number", None)), None)
-                    if leader is None or leader.number == trial.number:
-                        dup_streak = 0
+                    h = _Held(trial, params, fitted, key, tuple(changes))
+                    leads = leader is None or leader.number == trial.number
+                    dup_streak = 0 if leads else dup_streak + 1
+                    if leads:
                         fut = self.pool.submit(bucket.specs, fitted) if self.pool is not None else None
                         pending.append(_Pending(trial, params, fitted, key, tuple(changes), fut))
                     elif leader.state.is_finished():
-                        dup_streak += 1
-                        self._tell(study, trial, self._record(bucket, name, trial.number, params, _outcome(leader),
-                                                              changes, False, False))
-                    elif mine is not None:
-                        dup_streak += 1
-                        mine.followers.append((trial, params, tuple(changes)))
+                        self._tell_duplicate(study, bucket, name, h, _outcome(leader))
                     else:
-                        dup_streak += 1
-                        held.append(_Held(trial, params, fitted, key, tuple(changes)))
+                        (mine.followers if mine is not None else held).append(h)
                 if held:
                     self._resolve_held(study, bucket, name, held, pending, trials, out_of_time, default_key)
                 if out_of_time:  # drop candidates still compiling past the time share (told FAIL)
@@ -708,8 +685,7 @@ class Tuner:
                 leader = _leader(study.get_trials(deepcopy=False), p.key)
                 if leader is not None and leader.number != p.trial.number:
                     # Another worker sampled the same fitted config a moment earlier (TPE).
-                    held += [_Held(p.trial, p.params, p.config, p.key, p.adjustments)] + [
-                        _Held(t, prm, p.config, p.key, ch) for t, prm, ch in p.followers]
+                    held += [_Held(p.trial, p.params, p.config, p.key, p.adjustments), *p.followers]
                     continue
                 outcome = self._measure(bucket, p)
                 self._tell_measured(study, bucket, name, p, outcome, p.key == default_key)
@@ -724,9 +700,8 @@ class Tuner:
         finally:
             bar.close()
             # Only on an exception: leave no trial RUNNING in this process; queue them again.
-            mine = [p.trial for p in pending] + [f[0] for p in pending for f in p.followers] + [h.trial for h in held]
-            for t in mine:
-                self._release(study, t, "interrupted")
+            for h in held + pending + [f for p in pending for f in p.followers]:
+                self._release(study, h.trial, "interrupted")
 
     @staticmethod
     def _default_started(trials, default_key: str) -> bool:
@@ -765,7 +740,7 @@ class Tuner:
         for q in [q for q in pending if q.future is not None and not q.future.done() and q.key != default_key]:
             q.future.cancel()
             pending.remove(q)
-            for t in [q.trial] + [f[0] for f in q.followers]:
+            for t in [q.trial] + [f.trial for f in q.followers]:
                 t.set_user_attr("skipped", "time budget used up while compiling")
                 study.tell(t, state=TrialState.FAIL, skip_if_finished=True)
                 self.beats.discard(t._trial_id)
@@ -787,8 +762,7 @@ class Tuner:
                 pending.append(_Pending(h.trial, h.params, h.config, h.key, h.adjustments, fut))
             elif leader.state.is_finished():
                 held.remove(h)
-                self._tell(study, h.trial, self._record(bucket, name, h.trial.number, h.params, _outcome(leader),
-                                                        h.adjustments, False, False))
+                self._tell_duplicate(study, bucket, name, h, _outcome(leader))
 
     def _release(self, study: optuna.Study, trial: optuna.Trial, why: str) -> None:
         """Give back a trial this worker cannot finish: failed, and queued again."""
@@ -849,23 +823,22 @@ class Tuner:
         self.log.write(rec)  # first the log (durable), then the study
         self.beats.discard(trial._trial_id)
         try:
-            self._set_attrs(study, trial._trial_id, rec)
+            _tell_record(study, trial._trial_id, trial.number, rec)
         except optuna.exceptions.UpdateFinishedTrialError:
             self.echo(f"  trial {trial.number}: failed as stale by another worker before its result arrived; "
                       "its result stays in the log only")
-            return
-        if rec["state"] == "COMPLETE":
-            study.tell(trial, rec["time_us"], skip_if_finished=True)
-        else:
-            study.tell(trial, state=TrialState.PRUNED, skip_if_finished=True)
+
+    def _tell_duplicate(self, study, bucket: Bucket, name: str, h: _Held, leader: Outcome) -> None:
+        self._tell(study, h.trial, self._record(bucket, name, h.trial.number, h.params, leader, h.adjustments,
+                                                False, False))
 
     def _tell_measured(self, study, bucket, name, p: _Pending, outcome: Outcome, is_default: bool) -> None:
         self._tell(study, p.trial, self._record(bucket, name, p.trial.number, p.params, outcome, p.adjustments,
                                                 True, is_default))
         if outcome.state == "PRUNED":
             self.echo(f"  pruned {config_text(p.config)}: {outcome.reason}")
-        for trial, params, changes in p.followers:
-            self._tell(study, trial, self._record(bucket, name, trial.number, params, outcome, changes, False, False))
+        for f in p.followers:
+            self._tell_duplicate(study, bucket, name, f, outcome)
 
     # -- the end of a bucket --------------------------------------------------------------------
 
@@ -945,8 +918,11 @@ class Tuner:
         self.log.write({"kind": "final", "study": name, "class_key": bucket.class_key, "bucket": list(bucket.bucket),
                         **final})
         # The search timed each config once (a short timing); the winner is the re-timing's median.
-        how = (f"median of {rounds} interleaved round{'s' if rounds != 1 else ''} with "
-               f"{len(times)} finalist{'s' if len(times) != 1 else ''}" if rounds else "search timing, not re-timed")
+        finalists = len(times) - (default in times)
+        timed = (f"{finalists} finalist{'s' if finalists != 1 else ''}" if finalists else "") + (
+            (" and the default" if finalists else "the default alone") if default in times else "")
+        how = (f"median of {rounds} interleaved round{'s' if rounds != 1 else ''} of {timed}" if rounds
+               else "search timing, not re-timed")
         verdict = ("default kept" if kept else f"{med.get(default, d_med) / t_win:.2f}x over the default") + (
             f", noise {100 * noise:.1f}%" if noise is not None else "")
         self.echo(f"  best trial {complete[0].value:.2f} us (one short timing each); re-timed winner "
@@ -962,9 +938,3 @@ class Tuner:
             self.echo(f"  already tuned ({final['measured']} configs measured): {winner} {final['time_us']:.2f} us "
                       "(re-timed)")
         return BucketResult.from_final(bucket, name, final, resumed=True)
-
-
-def _product(space: dict[str, Sequence[int]]):
-    import itertools
-
-    return itertools.product(*(space[k] for k in SPACE_FIELDS))

@@ -20,8 +20,8 @@ SEARCH_MAX_PROGRAMS_PER_SM = 2 * MAX_PROGRAMS_PER_SM
 # Programs per SM whose split counts are always candidates (whole waves).
 WAVES = (1, 2, 3, 4, 6, 8)
 # block_m below DOT_MIN_BLOCK_M (FMA reductions) is searched by default only at this many query
-# rows a KV head or fewer: above it an FMA config has never won a tuned bucket (1.3-9x slower
-# than tl.dot ones). --block-m still searches them anywhere.
+# rows a KV head or fewer: above it tl.dot tiles win (docs/tuning.md). --block-m still searches
+# them anywhere.
 FMA_MAX_ROWS = 2
 # The lean family's split counts seeded whatever the default's regime: about 8 programs per SM
 # (16-bit caches) and 46 (fp8 caches), where tuned lean winners cluster.

@@ -30,6 +30,7 @@ import optuna
 from tsdecode import KernelConfig
 from tsdecode.config import tables
 
+from .arguments import ToolError
 from .space import SPACE_FIELDS
 from .files import move_aside
 
@@ -71,12 +72,12 @@ class OutputPaths:
         return Path(f"{os.path.abspath(base)}.tuner.lock")
 
 
-class StorageError(RuntimeError):
+class StorageError(ToolError):
     """A study storage that cannot be opened or used (bad URL, missing driver, unreachable
     server, missing file): a one-line message for the command line (exit code 2)."""
 
 
-class StudyBusy(RuntimeError):
+class StudyBusy(ToolError):
     """Another tuner process holds the run lock of the same study storage."""
 
 
