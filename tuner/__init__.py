@@ -13,6 +13,5 @@ imports this package.
   job.py           a job in the storage: definition, GPU-model pin, progress, the table export
   devices.py       --devices: one worker process per device, compile processes per worker
   table_writer.py  merging entries into a device's table (atomic, locked)
-  storage_bench.py the storages' contention benchmark behind the default (docs/tuning.md)
   impls.py, report.py, html.py  benchmark reports against baselines and peers
 """

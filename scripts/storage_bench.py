@@ -1,4 +1,4 @@
-"""Contention of Optuna storages under several tuning workers: ``python -m tuner.storage_bench``.
+"""Contention of Optuna storages under several tuning workers: ``python scripts/storage_bench.py``.
 
 Each of N processes runs the tuner's storage traffic for one trial, K times, on one shared study:
 ``ask`` (a new trial over KernelConfig-sized categorical distributions), three user attributes
@@ -8,7 +8,8 @@ phase measures the trial queue: N processes pop the study's WAITING trials (what
 does with a grid study) and any trial popped by two processes is counted ("double pops"). A
 storage named "sqlite-nolock" is SQLite without the tuner's queue lock (``study.queue_lock``).
 
-The numbers behind the default storage choice in docs/tuning.md come from this script.
+The numbers behind the tuner's default storage (docs/tuning.md) come from this script; its runs
+are in docs/perf-notes.md.
 """
 
 from __future__ import annotations
@@ -16,16 +17,19 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 DISTS = {"block_n": [16, 32, 64, 128, 256], "block_m": [16, 32], "num_kv_splits": [1, 2, 4, 8, 16, 32],
          "num_warps": [1, 2, 4, 8], "num_stages": [1, 2, 3, 4, 5]}
 
 
 def _open(url: str):
-    from .study import open_storage
+    from tuner.study import open_storage
 
     return open_storage(url.removeprefix("nolock:"))
 
@@ -36,7 +40,7 @@ def _ask_tell(url: str, study_name: str, trials: int, barrier, out) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     from optuna.distributions import CategoricalDistribution
 
-    from .study import queue_lock
+    from tuner.study import queue_lock
 
     study = optuna.load_study(study_name=study_name, storage=_open(url),
                               sampler=optuna.samplers.RandomSampler(seed=os.getpid()))
@@ -57,7 +61,7 @@ def _pop(url: str, study_name: str, barrier, out) -> None:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    from .study import pop_waiting, queue_lock
+    from tuner.study import pop_waiting, queue_lock
 
     study = optuna.load_study(study_name=study_name, storage=_open(url))
     barrier.wait()
@@ -110,7 +114,7 @@ def run(url: str, processes: int, trials: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tuner.storage_bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python scripts/storage_bench.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--storage", action="append", default=None,
                         help="storage URL or 'journal' / 'sqlite' / 'sqlite-nolock' (a fresh file in a temporary "
                              "folder); repeatable (default: journal, sqlite and sqlite-nolock)")
