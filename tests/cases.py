@@ -200,13 +200,30 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return float((o - r).norm() / r.norm()), float((o - r).abs().max())
 
 
+def request_rows(case: Case) -> list[slice]:
+    """Each request's rows of the output's first dimension (its query tokens, packed)."""
+    if case.mode != "packed":
+        return [slice(b, b + 1) for b in range(case.batch_size)]
+    ends = [sum(case.q_lens[:b + 1]) for b in range(case.batch_size)]
+    return [slice(end - q, end) for end, q in zip(ends, case.q_lens)]
+
+
 def check(case: Case, out: torch.Tensor, ref: torch.Tensor) -> None:
+    """The whole output, then each request's rows on their own (a wrong key of one request in
+    many hides in the norm of the whole)."""
     assert out.shape == ref.shape, (out.shape, ref.shape)
     assert torch.isfinite(out.to(torch.float64)).all(), "output has NaN/inf (unwritten or overflowed elements)"
     rel, mx = errors(out, ref)
     rel_tol, abs_tol = tolerance(case)
     scale = max(1.0, abs(case.bmm2_scale))
     assert rel < rel_tol and mx < abs_tol * scale, f"rel err {rel:.3e} (tol {rel_tol}), max abs {mx:.3e}"
+    rows = request_rows(case)
+    if rows[-1].stop != out.shape[0]:  # a slice of the output: checked as a whole only
+        return
+    for b, span in enumerate(rows):
+        if ref[span].to(torch.float64).norm() > 0:
+            rel, _ = errors(out[span], ref[span])
+            assert rel < rel_tol, f"request {b} (K/V length {case.lens[b]}): rel err {rel:.3e} (tol {rel_tol})"
 
 
 def run_and_check(case: Case, via: str = "wrapper", validate: bool = True) -> tsdecode.BatchDecodePagedTSWrapper | None:

@@ -348,6 +348,75 @@ def test_splits_fit_the_window_not_the_whole_request(mode, seq_len_q, q_lens):
     assert dense.config.kernel_config.num_kv_splits == 12
 
 
+@pytest.mark.parametrize("page_size,block_n", [(24, 16), (48, 32)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_tiles_that_cross_pages_longer_than_a_tile(page_size, block_n, splits):
+    """A page longer than a tile but not a multiple of it: a tile spans two pages (24-token
+    pages, 16-token tiles: tile 1 is page 0's tokens 16-23 and page 1's 0-7), at lengths around
+    every page and tile boundary."""
+    lens = (1, block_n - 1, block_n + 1, page_size - 1, page_size, page_size + 1, 2 * page_size + 5,
+            5 * block_n + 3)
+    run_and_check(Case(page_size=page_size, lens=lens, seed=page_size + splits,
+                       config=KC(block_n=block_n, block_m=16, num_kv_splits=splits)))
+
+
+@pytest.mark.parametrize("mode,seq_len_q", [("sq1", 1), ("fixed", 3), ("packed", 1)])
+@pytest.mark.parametrize("window_left", [4, 16])
+def test_window_start_at_every_offset_in_a_tile(mode, seq_len_q, window_left):
+    """Sixteen requests put the first query row's window start (K/V length - query length -
+    window_left) at each of the 16 offsets of a 16-token tile: a program's key range that starts
+    one key late skips a tile only where the window starts on a tile's last key."""
+    q_lens = tuple(1 + i % 4 for i in range(16)) if mode == "packed" else None
+    first_q = q_lens or (seq_len_q,) * 16
+    lens = tuple(37 + i + first_q[i] for i in range(16))
+    run_and_check(Case(mode=mode, seq_len_q=seq_len_q, q_lens=q_lens, mask_type="causal", window_left=window_left,
+                       lens=lens, seed=window_left, config=KC(block_n=16, block_m=16, num_kv_splits=2)))
+
+
+@pytest.mark.parametrize("case", [
+    Case(num_qo_heads=12, num_kv_heads=2, lens=(3, 40, 77), config=KC(block_n=16, block_m=4, num_kv_splits=2)),
+    Case(mode="fixed", seq_len_q=5, lens=(9, 33), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
+    Case(mode="packed", q_lens=(5, 2, 3), mask_type="causal", lens=(9, 33, 17),
+         config=KC(block_n=16, block_m=16, num_kv_splits=1)),
+], ids=["fma-6-rows-bm4", "fixed-sq5-20-rows-bm16", "packed-20-rows-bm16"])
+def test_last_partial_block_of_query_rows(case):
+    """Query rows a KV head (G x SQ, or G x the packed capacity) above block_m and not a multiple
+    of it: the last block of rows is partly filled and must still run."""
+    run_and_check(case)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_packed_run_below_capacity_writes_only_its_tokens(validate):
+    """A packed run of fewer query tokens than the plan's capacity, into a view at the start of a
+    larger buffer: nothing past this call's tokens is written."""
+    case = Case(mode="packed", q_lens=(1, 2, 1), seq_len_q=6, lens=(5, 40, 17), lengths="run",
+                config=KC(block_n=16, block_m=16, num_kv_splits=3))
+    inp = build(case)
+    total_q, capacity = sum(case.q_lens), case.batch_size * case.max_seq_len_q
+    buf = torch.full((capacity, case.num_qo_heads, case.head_dim), 7.0, dtype=case.dtype, device=inp.q.device)
+    buf[:total_q] = float("nan")
+    out = buf[:total_q]
+    run_wrapper(plan_wrapper(case, inp), case, inp, out=out, validate=validate)
+    check(case, out, reference(case, inp))
+    assert (buf[total_q:] == 7.0).all(), "the merge wrote past this call's query tokens"
+
+
+@pytest.mark.parametrize("page_size,block_n", [(8, 16), (16, 16), (32, 16)])
+def test_cache_slots_past_each_length_are_never_read(page_size, block_n):
+    """The slots of a request's last page past its length may hold anything, NaN included: the
+    kernel must not load them (0 x NaN would reach the output)."""
+    case = Case(page_size=page_size, lens=(3, page_size + 5, 3 * page_size - 1, 50), seed=page_size,
+                config=KC(block_n=block_n, block_m=16, num_kv_splits=2))
+    assert all(n % page_size for n in case.lens)  # every last page has slots past the length
+    inp = build(case)
+    for b, n in enumerate(case.lens):
+        page = int(inp.block_tables[b, (n - 1) // page_size])
+        inp.cache[page, :, :, n % page_size:] = float("nan")  # K and V past the length
+    out = poisoned_out(case, inp)
+    run_wrapper(plan_wrapper(case, inp), case, inp, out=out)
+    check(case, out, reference(case, inp))
+
+
 def test_config_reports_source_and_adjustments():
     case = Case(lens=(10, 20), config=KC(block_n=16, block_m=64, num_kv_splits=100))
     inp = build(case)

@@ -55,6 +55,20 @@ def test_changing_batches_match_reference(separate):
     assert sorted(graphs._static) == [1, 2, 4]
 
 
+def test_max_kv_len_not_a_multiple_of_the_page_size():
+    """max_kv_len 23 over 4-token pages: a request of 21-23 tokens needs a sixth, partly filled
+    page, so the static block table must have six columns."""
+    cache = _cache(False)
+    graphs = DecodeGraphs(cache, HQ, 23, batch_sizes=(1, 2, 4), capture=False)
+    for seed, lens in enumerate([[23], [21, 5], [22, 1, 23]]):
+        g = torch.Generator().manual_seed(100 + seed)
+        pages = (torch.randperm(NUM_PAGES - 1, generator=g) + 1)[:len(lens) * 6]
+        table = pages.view(len(lens), 6).to(torch.int32).to(DEVICE)
+        q = torch.randn(len(lens), HQ, D, generator=g).to(torch.bfloat16).to(DEVICE)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        _check(graphs(q, seq_lens, table), q, cache, seq_lens, table)
+
+
 def test_padding_rows_are_reset():
     graphs = DecodeGraphs(_cache(False), HQ, MAX_KV_LEN, batch_sizes=(4,), pad_page=3, capture=False)
     graphs(*_step([9, 10, 11], 0))

@@ -934,7 +934,7 @@ def test_an_empty_job_name_is_refused(tmp_path, capsys):
 
 
 def test_only_a_run_of_the_smoke_preset_alone_gets_the_smoke_note():
-    from tuner.cli import smoke_note
+    from tuner.run import smoke_note
 
     smoke = PRESETS["smoke"]
     assert smoke_note(smoke, cpu=False)[0].startswith("the smoke preset is 4 small test shapes; your model's shapes")
@@ -944,7 +944,7 @@ def test_only_a_run_of_the_smoke_preset_alone_gets_the_smoke_note():
 
 
 def test_the_closing_lines_say_when_the_config_dir_shadows_the_new_table(tmp_path, monkeypatch):
-    from tuner.cli import where_the_table_is_used
+    from tuner.run import where_the_table_is_used
 
     table = tables.user_config_dir() / "cpu_Triton_interpreter.json"
     spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)

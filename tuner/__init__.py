@@ -2,6 +2,7 @@
 imports this package.
 
   cli.py           the command line: tune (default), worker, export, create, explain, report
+  run.py           tune, worker, create, export: a run's pipeline, its closing lines, interrupts
   arguments.py     usage errors (exit code 2) and argument types shared by the subcommands
   grids.py         ShapeSpec (one benchmark case) and the named shape grids
   measure.py       input sets, a planned wrapper over them, bytes moved, CUDA-graph timing
