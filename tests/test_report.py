@@ -1,4 +1,4 @@
-"""Reports (tuner/report.py, benchmark.py, results.py, pages.py): CSV schema and arithmetic, end-to-end CPU (interpreter) run,
+"""Reports (tuner/report/: command, benchmark, results, pages): CSV schema and arithmetic, end-to-end CPU (interpreter) run,
 re-rendering, comparison mode, CSVs from elsewhere, the implementation registry and the HTML in
 headless Chromium."""
 
@@ -20,12 +20,12 @@ from tsdecode.config import tables
 from tsdecode.config.space import KernelConfig, fit_config
 from tsdecode.config.tables import TableEntry
 from tsdecode.device import INTERPRETER, device_properties
-from tuner import benchmark as B
-from tuner import html as H
-from tuner import impls as I
 from tuner import measure
 from tuner import report as R
-from tuner import results as Res
+from tuner.report import benchmark as B
+from tuner.report import html as H
+from tuner.report import impls as I
+from tuner.report import results as Res
 from tuner.grids import PRESETS, ShapeSpec
 from tuner.table_writer import merge_entries, table_path
 

@@ -14,5 +14,5 @@ imports this package.
   job.py           a job in the storage: definition, GPU-model pin, progress, the table export
   devices.py       --devices: one worker process per device, compile processes per worker
   table_writer.py  merging entries into a device's table (atomic, locked)
-  impls.py, report.py, html.py  benchmark reports against baselines and peers
+  report/          tsdecode-tune report: benchmark reports against baselines and peers
 """

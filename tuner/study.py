@@ -31,8 +31,8 @@ from tsdecode import KernelConfig
 from tsdecode.config import tables
 
 from .arguments import ToolError
+from .files import atomic_write_text, move_aside
 from .space import SPACE_FIELDS
-from .files import move_aside
 
 
 @dataclass(frozen=True)
@@ -450,7 +450,5 @@ def write_trials_csv(jsonl: Path, csv: Path) -> int:
     for col in ("trial", "round", "bucket_batch_size", "bucket_kv_len"):
         if col in frame:
             frame[col] = frame[col].astype("Int64")
-    tmp = csv.with_name(f".{csv.name}.tmp")
-    frame.to_csv(tmp, index=False)
-    os.replace(tmp, csv)
+    atomic_write_text(csv, frame.to_csv(index=False))
     return len(frame)

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..arguments import Parser, UsageError, nonnegative_float, positive_float, positive_int
+from ..files import atomic_write_text
+from ..grids import add_grid_arguments
 from . import impls as I
-from .arguments import Parser, UsageError, nonnegative_float, positive_float, positive_int
 from .benchmark import run_benchmark
-from .files import atomic_write_text
-from .grids import add_grid_arguments
 from .pages import GOOD_FRACTION, render_compare, render_html, summary
 from .results import Table, default_report_dir, read_csv, write_csv
 
@@ -167,7 +167,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(e, file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

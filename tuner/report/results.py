@@ -16,9 +16,9 @@ from typing import Iterable, Sequence
 from tsdecode.config.tables import user_config_dir
 from tsdecode.device import DeviceProperties
 
+from ..files import atomic_write_text
+from ..grids import ShapeSpec
 from . import impls as I
-from .files import atomic_write_text
-from .grids import ShapeSpec
 
 SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ShapeSpec))
 BASE_COLUMNS = (

@@ -22,9 +22,9 @@ import torch
 from tsdecode.device import INTERPRETER as INTERPRETER_ACTIVE
 from tsdecode.device import device_properties
 
+from .. import measure
+from ..grids import ShapeSpec, specs_from_args
 from . import impls as I
-from . import measure
-from .grids import ShapeSpec, specs_from_args
 from .results import (
     CUDA_EAGER, CUDA_GRAPH, INTERPRETER, MEANINGLESS, add_speedups, default_report_dir, describe_device, slug, write_csv,
 )

@@ -31,8 +31,8 @@ from tsdecode.config.heuristic import heuristic_config
 from tsdecode.config.select import scale_splits_to_raggedness
 from tsdecode.device import device_properties
 
-from .grids import DTYPES, ShapeSpec
-from .measure import DecodeInputs, decode_call, plan_wrapper
+from ..grids import DTYPES, ShapeSpec
+from ..measure import DecodeInputs, decode_call, plan_wrapper
 
 KINDS = ("tsdecode", "baseline", "peer")
 

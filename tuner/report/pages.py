@@ -9,10 +9,10 @@ from typing import Sequence
 
 from tsdecode import KernelConfig
 
+from ..measure import geomean
+from ..space import config_text
 from . import html as H
-from .measure import geomean
 from .results import MEANINGLESS, RUNTIME, SPEC_FIELDS, Table, family_of, finite, ok, positive
-from .space import config_text
 
 GOOD_FRACTION = 0.8  # "near the roofline": 80% of the measured copy bandwidth
 IMPL_COLORS = {RUNTIME: "#4e79a7", "tuned": "#4e79a7", "heuristic": "#a0cbe8",
