@@ -73,6 +73,12 @@ def _isolated(monkeypatch, tmp_path):
 # ---- fault-injection hooks (loaded by file path in the worker and compile processes) --------
 
 
+def batch_3_fails_hook(stage, spec, config, out=None):
+    """Every config of the batch-size-3 shapes fails to plan."""
+    if stage == "plan" and spec.batch_size == 3:
+        raise RuntimeError("injected plan error")
+
+
 def broken_configs_hook(stage, spec, config, out=None):
     """block_n 16: compile error; 64: NaN (block_m 2) or wrong values (block_m 16); 128 with
     block_m 2: the worker process dies; 256 with block_m 16: plan raises."""
@@ -552,6 +558,39 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
 
 
 @cpu_only
+@pytest.mark.parametrize("command", ["tune", "worker"])
+def test_an_error_a_library_raises_in_place_of_the_interrupt_still_ends_the_run_as_one(command, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """A SIGTERM can land inside a library's cleanup, which then raises something else (Optuna's
+    journal lock, interrupted in ``release``, raises FileNotFoundError): the run still ends as
+    interrupted (exit 130, no traceback), not as a crash."""
+
+    def interrupted_inside_a_lock(self, buckets, started=None):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            raise FileNotFoundError("[Errno 2] No such file or directory: 'study.journal.lock'") from None
+        raise AssertionError("no signal arrived")
+
+    monkeypatch.setattr(search.Tuner, "run", interrupted_inside_a_lock)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    storage = str(tmp_path / "s.journal")
+    try:
+        if command == "worker":
+            assert main(["create", "--storage", storage, "--job", "j", "--for", "cpu", *TINY]) == 0
+            argv = ["worker", "--storage", storage, "--job", "j", "--out", str(tmp_path)]
+        else:
+            argv = [*TINY, "--out", str(tmp_path), "--no-progress"]
+        assert main(argv) == 130
+    finally:
+        for sig, handler in handlers.items():  # the run ignores signals once one came
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "FileNotFoundError" not in err and "Traceback" not in err, err
+
+
+@cpu_only
 def test_a_second_tuner_on_the_same_study_exits_2(tmp_path, capsys):
     """One run (``tune``) per study storage: the second neither touches the first's RUNNING
     trials nor races it creating the storage. The lock dies with its holder: a leftover lock
@@ -650,6 +689,19 @@ def test_broken_candidates_are_pruned_with_reasons(tmp_path, monkeypatch):
     (entry,) = entries.values()
     c = entry.kernel_config
     assert (c.block_n, c.block_m) in ok or (c.block_n, c.block_m) not in recs
+
+
+@cpu_only
+def test_a_run_with_a_bucket_that_found_no_valid_config_exits_1(tmp_path, capsys):
+    """The tuned buckets are written; the exit code says that not every bucket was."""
+    out = tmp_path / "partial"
+    rc = main(["--batch-sizes", "1,3", "--kv-lens", "40", "--heads", "4:2", "--head-dim", "64", "--trials", "2",
+               "--out", str(out), "--isolation", "inline", "--inject-hook", f"{HOOKS}:batch_3_fails_hook", *FAST])
+    assert rc == 1, capsys.readouterr().err
+    assert "1/2 buckets tuned" in capsys.readouterr().err
+    (table_path,) = out.glob("*.json")
+    (entries,) = tables.load_table(table_path).entries.values()
+    assert list(entries) == [tables.bucket_of(1, 40)]
 
 
 @cpu_only
