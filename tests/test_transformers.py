@@ -109,7 +109,8 @@ def _prompts(lengths, vocab: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def _compare(model, prompts, max_new_tokens, page_size, max_batch_tokens, monkeypatch):
+def _compare(model, prompts, max_new_tokens, page_size, max_batch_tokens, monkeypatch, scales=None):
+    """``scales``, if given, collects the scale of every decode call."""
     expected = _generate(model, prompts, max_new_tokens, page_size, max_batch_tokens)
     calls, errors = [], []
     real = tsdecode_transformers._decode
@@ -117,6 +118,8 @@ def _compare(model, prompts, max_new_tokens, page_size, max_batch_tokens, monkey
     def checked(q, k_pages, v_pages, seq_lens, block_table, capacity, scale):
         out = real(q, k_pages, v_pages, seq_lens, block_table, capacity, scale)
         calls.append(q.shape[0])
+        if scales is not None:
+            scales.append(scale)
         ref = reference_decode(q, (k_pages, v_pages), block_table, seq_lens, bmm1_scale=scale)
         errors.append(float((out.double() - ref).abs().max() / ref.abs().max()))
         return out
@@ -143,6 +146,20 @@ def test_generate_batch_matches_paged_sdpa(build, monkeypatch):
     calls = _compare(model, prompts, max_new_tokens=10, page_size=4, max_batch_tokens=32, monkeypatch=monkeypatch)
     assert len(set(calls)) > 1, "the decode batch size never changed"
     assert model.config._attn_implementation == _paged_sdpa()  # disable() restored it
+
+
+def test_the_attention_modules_scaling_reaches_the_kernel(monkeypatch):
+    """A model whose attention scale is not 1/sqrt(head_dim) (set on each attention module, as
+    models with a query pre-attention scalar do): tsdecode computes with that scale."""
+    model = _model(_llama)
+    custom = 1.7 * model.config.head_dim ** -0.5
+    for layer in model.model.layers:
+        layer.self_attn.scaling = custom
+    prompts = _prompts((5, 40, 3, 12), model.config.vocab_size, seed=2)
+    scales = []
+    _compare(model, prompts, max_new_tokens=6, page_size=4, max_batch_tokens=32, monkeypatch=monkeypatch,
+             scales=scales)
+    assert scales and all(s == pytest.approx(custom) for s in scales), set(scales)
 
 
 def test_enable_refuses_what_tsdecode_cannot_run():
