@@ -1087,6 +1087,33 @@ def test_retime_noise_ignores_one_outlier_round():
     assert search.retime_noise([100.0, 100.1, 100.0]) == 0.01
 
 
+def test_a_challenger_wins_only_beyond_the_defaults_noise():
+    default = KernelConfig(block_n=64, block_m=16, num_kv_splits=4, num_warps=4, num_stages=2)
+    near, far = (KernelConfig(block_n=n, block_m=16, num_kv_splits=4, num_warps=4, num_stages=2) for n in (32, 16))
+    rounds = [100.0, 103.0, 97.0, 101.0, 99.0]  # noise: interquartile range 2 over median 100
+    times = {default: rounds, near: [t * 0.985 for t in rounds]}  # 1.5% faster: within the noise
+    assert search.pick_winner(times, default) == (default, True, pytest.approx(0.02))
+    times[far] = [t * 0.97 for t in rounds]  # 3% faster: beyond it
+    assert search.pick_winner(times, default) == (far, False, pytest.approx(0.02))
+    assert search.pick_winner({default: rounds}, default)[:2] == (default, True)
+
+
+def test_a_study_new_to_its_storage_takes_the_latest_final_of_the_log(tmp_path):
+    """A rerun with a larger --trials writes a second final for the same study: the later one,
+    not the first, is what a new storage takes (nor a failed or another study's final)."""
+    fields = {k: 0 for k in search.FINAL_FIELDS}
+    log = study.ResultLog(tmp_path / "log.jsonl")
+    for rec in ({**fields, "ok": True, "time_us": 12.0, "trials_budget": 8},
+                {**fields, "ok": True, "time_us": 10.0, "trials_budget": 16},
+                {**fields, "ok": False, "time_us": 9.0, "trials_budget": 32}):
+        log.write({"kind": "final", "study": "a", **rec})
+    log.write({"kind": "final", "study": "b", **fields, "ok": True, "time_us": 1.0})
+    log.close()
+    final = search.final_from_log(tmp_path / "log.jsonl", "a")
+    assert (final["time_us"], final["trials_budget"]) == (10.0, 16) and set(final) == search.FINAL_FIELDS
+    assert search.final_from_log(tmp_path / "log.jsonl", "c") is None
+
+
 def test_seed_configs_cover_splits_and_the_lean_family():
     default = KernelConfig(block_n=64, block_m=16, num_kv_splits=4, num_warps=4, num_stages=2)
     sp = {"block_n": [16, 32, 64], "block_m": [16], "num_kv_splits": [1, 2, 3, 4, 6, 8, 12, 16],

@@ -91,6 +91,18 @@ def retime_noise(times: Sequence[float]) -> float:
     return max(0.01, (q3 - q1) / statistics.median(times))
 
 
+def pick_winner(times: dict[KernelConfig, Sequence[float]], default: KernelConfig) -> tuple[KernelConfig, bool, float]:
+    """A bucket's winner from its re-timing rounds (``times``: config -> its rounds, the default's
+    among them): the fastest median, only if it beats the default's median by more than the
+    default's own noise, else the default (kept). Returns (winner, default kept, noise)."""
+    med = {c: statistics.median(t) for c, t in times.items()}
+    noise = retime_noise(times[default])
+    best = min((c for c in med if c != default), key=med.get, default=None)
+    if best is not None and med[best] < med[default] * (1 - noise):
+        return best, False, noise
+    return default, True, noise
+
+
 # ---------------------------------------------------------------------------------------------
 # Progress and outcomes
 # ---------------------------------------------------------------------------------------------
@@ -184,12 +196,20 @@ class _Pending(_Held):
     followers: list[_Held] = field(default_factory=list)
 
 
-# What a bucket's "final" study attribute (and log record) holds; _final_from_log reads it.
+# What a bucket's "final" study attribute (and log record) holds; final_from_log reads it.
 FINAL_FIELDS = frozenset((
     "ok", "winner", "time_us", "bandwidth_gbs", "fraction_of_copy", "default", "default_time_us",
     "default_bandwidth_gbs", "kept_default", "noise", "trials_budget", "measured", "pruned", "note",
 ))
 RESULT_FIELDS = ("bandwidth_gbs", "fraction_of_copy", "rel_err", "per_spec", "compile_s", "plan_s", "measure_s")
+
+
+def final_from_log(jsonl: Path, name: str) -> dict[str, Any] | None:
+    """The latest successful final of study ``name`` in the results log (a study storage lost
+    since, e.g. moved aside as corrupt, no longer holds it), as the study attribute."""
+    finals = [r for r in ResultLog.read(jsonl) if r.get("kind") == "final" and r.get("study") == name
+              and r.get("ok") and FINAL_FIELDS <= r.keys()]
+    return {k: finals[-1][k] for k in FINAL_FIELDS} if finals else None
 
 
 def _leader(trials: Sequence[optuna.trial.FrozenTrial], key: str) -> optuna.trial.FrozenTrial | None:
@@ -482,7 +502,7 @@ class Tuner:
         study = optuna.load_study(study_name=name, storage=self.storage, sampler=sampler)
         if created:
             study.set_user_attr("created_by", self.stamp)
-            final = self._final_from_log(name)
+            final = final_from_log(self.paths.jsonl, name)
             if final is not None:
                 study.set_user_attr("final", final)  # carried into the new storage
         if self.on_study is not None and name not in self._reported:
@@ -533,13 +553,6 @@ class Tuner:
     def _recover(self, study: optuna.Study, name: str) -> list[int]:
         return recover_dead(study, name, storage=self.storage, storage_url=self.storage_url, log_path=self.paths.jsonl,
                             grace=self.heartbeat.grace if self.heartbeat is not None else None, echo=self.echo)
-
-    def _final_from_log(self, name: str) -> dict[str, Any] | None:
-        """The latest successful final of study ``name`` in the log (a study storage lost
-        since, e.g. moved aside as corrupt, no longer holds it), as the study attribute."""
-        finals = [r for r in ResultLog.read(self.paths.jsonl) if r.get("kind") == "final" and r.get("study") == name
-                  and r.get("ok") and FINAL_FIELDS <= r.keys()]
-        return {k: finals[-1][k] for k in FINAL_FIELDS} if finals else None
 
     @staticmethod
     def _cache_from_storage(study: optuna.Study) -> dict[str, Outcome]:
@@ -888,13 +901,8 @@ class Tuner:
                             "median_us": statistics.median(t)})
         med = {c: statistics.median(t) for c, t in times.items()}
         if default_ok and default in med:
-            d_med = med[default]
-            noise = retime_noise(times[default])
-            best = min((c for c in med if c != default), key=med.get, default=None)
-            if best is not None and med[best] < d_med * (1 - noise):
-                winner, t_win, kept = best, med[best], False
-            else:
-                winner, t_win, kept = default, d_med, True
+            winner, kept, noise = pick_winner(times, default)
+            t_win, d_med = med[winner], med[default]
         else:
             # The default failed (or could not be re-timed): the best valid config wins and the
             # entry's default time is set to the winner's (speedup unknown).
