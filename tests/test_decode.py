@@ -31,6 +31,10 @@ CASES = {
     "mqa-b1-fp8": Case(num_qo_heads=8, num_kv_heads=1, kv_dtype=torch.float8_e4m3fn, lens=(70,)),
     "g32-two-m-blocks": Case(num_qo_heads=32, num_kv_heads=1, lens=(9, 40), config=KC(block_n=16, block_m=16, num_kv_splits=2)),
     "g32-wide-rows-lean": Case(num_qo_heads=64, num_kv_heads=2, lens=(9, 140), config=KC(block_n=16, block_m=32, num_kv_splits=3, num_warps=1, num_stages=5)),
+    # two row blocks of G x SQ = 32 rows: the second block's first query token (4) sets where its
+    # programs' window starts
+    "g4-sq8-window-two-m-blocks": Case(mode="fixed", seq_len_q=8, mask_type="causal", window_left=5, lens=(20, 70, 37),
+                                       config=KC(block_n=16, block_m=16, num_kv_splits=2)),
     "g4-sq8-wide-rows-lean": Case(mode="fixed", seq_len_q=8, mask_type="causal", lens=(9, 70), config=KC(block_n=16, block_m=32, num_kv_splits=2, num_warps=1, num_stages=5)),
     # explicit configs: tiles, FMA/dot, splits (more splits than tiles for short requests)
     "splits-3-bn16": Case(lens=(1, 17, 100), config=KC(block_n=16, block_m=16, num_kv_splits=3)),

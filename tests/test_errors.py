@@ -283,6 +283,9 @@ RUN_METADATA_ERRORS = {  # (plan kw, run change, exception, pattern)
     "block_tables int64": ({}, dict(block_tables="int64"), TypeError, "block_tables must be int32"),
     "block_tables too narrow": ({}, dict(block_tables="narrow"), ValueError, r"seq_lens\[1\]=40 needs 3 pages but block_tables has C=2"),
     "block_tables on another device": ({}, dict(block_tables="meta"), ValueError, "block_tables must be on"),
+    "block_tables rows overlap": ({}, dict(block_tables="overlap"), ValueError,
+                                  r"block_tables row stride must be >= C=4 \(rows may be padded, not overlap\), got "
+                                  r"stride\(0\)=3"),
     "seq_lens int64": ({}, dict(seq_lens="int64"), TypeError, "seq_lens must be int32"),
     "seq_lens shape": ({}, dict(seq_lens="1"), ValueError, r"seq_lens must have shape \[B\]=\[2\]"),
     "seq_lens strided": ({}, dict(seq_lens="strided"), ValueError, "seq_lens must be contiguous"),
@@ -305,6 +308,7 @@ def test_run_checks_metadata(inp, name):
         ("block_tables", "int64"): lambda: bt.long(),
         ("block_tables", "narrow"): lambda: bt[:, :2],
         ("block_tables", "meta"): lambda: torch.empty(bt.shape, dtype=torch.int32, device="meta"),
+        ("block_tables", "overlap"): lambda: bt.contiguous().view(-1).as_strided(bt.shape, (bt.shape[1] - 1, 1)),
         ("seq_lens", "int64"): lambda: sl.long(),
         ("seq_lens", "1"): lambda: sl[:1],
         ("seq_lens", "strided"): lambda: torch.stack([sl, sl], 1)[:, 0],

@@ -80,6 +80,9 @@ def test_explain_a_heuristic_pick(tmp_path):
     assert "source: heuristic" in other
     packed = tsdecode.explain(8, 1500, 32, 8, 128, seq_len_q=5, packed=True)
     assert "SQ=5 packed" in packed and ",sq=packed," in packed
+    # window_left 0 (each query token sees itself only) is a window, as a plan classes it
+    own = tsdecode.explain(8, 1500, 32, 8, 128, mask_type="causal", window_left=0)
+    assert " windowed\n" in own and ",mask=windowed" in own
 
 
 def test_explain_names_an_entry_skipped_as_invalid_and_why_a_file_is_unusable(tmp_path):
