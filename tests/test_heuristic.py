@@ -1381,6 +1381,7 @@ def test_residency_is_measured_for_the_way_tiles_find_their_pages(fresh_residenc
     assert nearest == {1: 1, 4: 3, 6: 8, 24: 16, 48: 16, 32: 128, 256: 128}
     assert residency.measured_page_size(measured, 32, 16) == 16  # 16-token tiles inside 16-token pages
     assert residency.measured_page_size({16: []}, 1, 32) == 16  # only one measured: it stands in
+    assert residency.measured_page_size({2: [], 8: []}, 4, 32) == 2  # a tie by ratio: the smaller page
     # the waves follow: 48 programs a split fill one wave of 4 an SM at 11 splits (528 programs), which
     # spill at 3 an SM (396); one-token pages take the count that fills four whole waves instead
     counts = {}

@@ -1183,6 +1183,20 @@ def test_a_new_study_measures_the_tables_current_winner_second(tmp_path):
     assert measured[:2] == [default, previous]
 
 
+def test_the_tables_winner_is_seeded_only_when_every_field_lies_in_todays_space(tmp_path):
+    spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    shape = spec.to_problem_shape()
+    previous = KernelConfig(block_n=32, block_m=16, num_kv_splits=2, num_warps=2, num_stages=2)
+    entry = TableEntry(previous, 10.0, 1.0, None, heuristic_config(shape, CPU), 11.0, 0.9, tuned_batch_size=1)
+    table = study.OutputPaths.for_device(CPU.name, tmp_path).table
+    merge_entries(table, CPU, {tables.problem_class_key(shape): {tables.bucket_of(1, 40): entry}}, {})
+    (bucket,) = tuner_buckets.group_buckets([spec])
+    inside = space.SpaceLimits(num_warps=(1, 2, 4), num_stages=(2, 3))
+    assert tuner_buckets.table_winners(table, [bucket], CPU, inside) == {bucket.key: previous.to_dict()}
+    outside = space.SpaceLimits(num_warps=(1, 4), num_stages=(2, 3))  # its num_warps 2 is not searched
+    assert tuner_buckets.table_winners(table, [bucket], CPU, outside) == {}
+
+
 @cpu_only
 def test_stale_only_tunes_just_the_buckets_timed_against_another_default(tmp_path, capsys):
     """--stale-only: of the grid's buckets, only those the table lacks or holds timed against

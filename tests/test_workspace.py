@@ -178,6 +178,16 @@ def test_a_small_buffer_makes_the_plan_take_fewer_splits():
         check(CASE, out, reference(CASE, inp))
 
 
+def test_a_buffer_of_exactly_k_splits_gets_k_splits():
+    """The most splits a buffer holds, not one fewer: a buffer of exactly what k splits need."""
+    inp = build(CASE)
+    w = plan_wrapper(CASE, inp)
+    shape, selected = w._plan.shape, w.config.kernel_config.num_kv_splits
+    for k in sorted({2, selected - 1}):
+        w = plan_wrapper(CASE, inp, workspace_buffer=buffer(W.workspace_bytes(shape, k)))
+        assert w.config.kernel_config.num_kv_splits == k, w.config.adjustments
+
+
 def test_ragged_plan_owned_lengths_fit_a_buffer_sized_without_them():
     """The helper has no lengths; a plan owning ragged lengths may select more splits than the
     helper assumed, and then fits them to the buffer."""

@@ -75,8 +75,8 @@ def page_path(page_size: int, block_n: int) -> str:
 
 
 def measured_page_size(measured: dict[int, list], page_size: int, block_n: int) -> int:
-    """Of the page sizes a config was measured at, the nearest to ``page_size`` (by ratio) whose
-    tiles find their pages the same way, else the nearest."""
+    """Of the page sizes a config was measured at, the nearest to ``page_size`` (by ratio; of two
+    as near, the smaller) whose tiles find their pages the same way, else the nearest."""
     path = page_path(page_size, block_n)
     same = [p for p in measured if page_path(p, block_n) == path] or list(measured)
     return min(same, key=lambda p: (abs(math.log(p / page_size)), p))
