@@ -335,6 +335,17 @@ def test_merge_takes_more_splits_than_one_pass_holds():
     assert w.config.kernel_config.num_kv_splits == 300 and merge["BLOCK_S"] == 256 and merge["BLOCK_D"] == 32
 
 
+@pytest.mark.parametrize("bmm2_scale", [2.5, -0.7])
+@pytest.mark.parametrize("mode,q_lens,mask_type", [("sq1", None, "dense"), ("packed", (2, 1, 3), "causal")],
+                         ids=["sq1", "packed-causal"])
+def test_one_split_plans_apply_bmm2_scale(mode, q_lens, mask_type, bmm2_scale):
+    """One split writes the output directly, with no merge pass to scale it: a bmm2_scale dropped
+    there leaves every one-split output unscaled (or of the wrong sign)."""
+    run_and_check(Case(mode=mode, q_lens=q_lens, mask_type=mask_type, lens=(3, 17, 44), bmm1_scale=0.3,
+                       bmm2_scale=bmm2_scale,
+                       config=KC(block_n=16, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)))
+
+
 @pytest.mark.parametrize("mode,seq_len_q,q_lens", [("sq1", 1, None), ("fixed", 3, None), ("packed", 4, (4, 1))])
 def test_splits_fit_the_window_not_the_whole_request(mode, seq_len_q, q_lens):
     """A sliding window leaves each program at most ceil((SQ + window_left) / block_n) + 1 tiles
