@@ -190,6 +190,16 @@ def benchmark_shape(spec: ShapeSpec, impls: Sequence[I.Impl], opts: Options, env
     return rows
 
 
+def timing_order(impls: Sequence[I.Impl], shape_index: int) -> list[I.Impl]:
+    """The order in which the ``shape_index``-th shape times ``impls``: rotated by one a shape, so
+    that no implementation always runs first. A shape's first timing runs at the clock and power
+    state the previous shape's kernels left (a GPU at its power limit lowers its clock under load),
+    and a fixed order would hand that state to the same implementation every time. The rows keep
+    the listed order."""
+    start = shape_index % len(impls) if impls else 0
+    return list(impls[start:]) + list(impls[:start])
+
+
 def _plain_row(spec: ShapeSpec, impl: I.Impl, env: dict, copy_bw: float, status: str, reason: str) -> dict:
     return {"shape": spec.name, **spec.to_dict(), "impl": impl.name, "impl_kind": impl.kind,
             "status": status, "reason": reason, "copy_bandwidth_gbs": copy_bw, **env}
@@ -239,7 +249,8 @@ def run_benchmark(args: argparse.Namespace, log=print) -> tuple[list[dict], Path
             continue
         log(f"[{i + 1}/{len(specs)}] {spec.name}  ({elapsed:.0f}s elapsed)")
         try:
-            rows += benchmark_shape(spec, impls, opts, env, copy_bw, log)
+            shape_rows = benchmark_shape(spec, timing_order(impls, i), opts, env, copy_bw, log)
+            rows += sorted(shape_rows, key=lambda r: [impl.name for impl in impls].index(r["impl"]))
         except Exception as e:  # inputs or reference failed (e.g. out of memory): record, go on
             reason = f"shape setup failed: {type(e).__name__}: {_first_line(e)}"
             log(f"    {reason}")

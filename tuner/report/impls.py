@@ -20,6 +20,7 @@ Adding one::
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -357,8 +358,10 @@ def release() -> None:
 # FlashInfer (optional peer)
 
 
-def flashinfer_factory(spec: ShapeSpec, inputs: DecodeInputs) -> Prepared:
-    """flashinfer.BatchDecodeWithPagedKVCacheWrapper on the same HND cache (CUDA-graph mode)."""
+def flashinfer_factory(spec: ShapeSpec, inputs: DecodeInputs, *, use_tensor_cores: bool = False) -> Prepared:
+    """flashinfer.BatchDecodeWithPagedKVCacheWrapper on the same HND cache (CUDA-graph mode): its
+    CUDA-core decode kernel, or with ``use_tensor_cores`` its tensor-core path (FlashInfer's advice
+    for grouped-query attention)."""
     try:
         import flashinfer
     except ImportError:
@@ -377,7 +380,7 @@ def flashinfer_factory(spec: ShapeSpec, inputs: DecodeInputs) -> Prepared:
     last_page_len = torch.tensor([n - (p - 1) * P for n, p in zip(lens, pages)], dtype=torch.int32, device=device)
     workspace = torch.empty(128 * 2**20, dtype=torch.uint8, device=device)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "HND", use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
+        workspace, "HND", use_cuda_graph=True, use_tensor_cores=use_tensor_cores, paged_kv_indptr_buffer=indptr,
         paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len,
     )
     w.plan(
@@ -398,4 +401,6 @@ register_impl("torch_sdpa", torch_sdpa_factory, kind="baseline",
 register_impl("flex_attention", flex_attention_factory, kind="baseline",
               description="torch FlexAttention over the page pool, block mask = page table")
 register_impl("flashinfer", flashinfer_factory, kind="peer",
-              description="flashinfer.BatchDecodeWithPagedKVCacheWrapper (if installed)")
+              description="flashinfer.BatchDecodeWithPagedKVCacheWrapper, CUDA-core kernel (if installed)")
+register_impl("flashinfer_tc", functools.partial(flashinfer_factory, use_tensor_cores=True), kind="peer",
+              description="flashinfer.BatchDecodeWithPagedKVCacheWrapper, use_tensor_cores=True (if installed)")

@@ -16,7 +16,8 @@ from .results import MEANINGLESS, RUNTIME, SPEC_FIELDS, Table, family_of, finite
 
 GOOD_FRACTION = 0.8  # "near the roofline": 80% of the measured copy bandwidth
 IMPL_COLORS = {RUNTIME: "#4e79a7", "tuned": "#4e79a7", "heuristic": "#a0cbe8",
-               "torch_sdpa": "#f28e2b", "flex_attention": "#59a14f", "flashinfer": "#e15759"}
+               "torch_sdpa": "#f28e2b", "flex_attention": "#59a14f", "flashinfer": "#e15759",
+               "flashinfer_tc": "#b07aa1"}
 
 
 def _color(impl: str, i: int) -> str:
