@@ -26,6 +26,7 @@ from tuner import report as R
 from tuner.report import benchmark as B
 from tuner.report import html as H
 from tuner.report import impls as I
+from tuner.report import pages as P
 from tuner.report import results as Res
 from tuner.grids import PRESETS, ShapeSpec
 from tuner.table_writer import merge_entries, table_path
@@ -723,3 +724,169 @@ def test_gpu_report_one_shape(tmp_path):
     assert heur["error_ok"] and 0 < heur["fraction_of_copy"] < 1.5
     times = measure.graph_times_us([lambda: None], replay_ms=5)
     assert len(times) >= 5
+
+
+# ---------------------------------------------------------------------------------------------
+# The numbers a user reads off the page and the compare page, the CSV round trip, the budget, the row's time
+
+
+def _rows_with_a_tuned_entry() -> list[dict]:
+    """_report_rows plus a tuned row for B=1 (50 us, the heuristic there takes 100 us); B=3 has no
+    tuned row (the runtime runs the heuristic, 150 us). torch_sdpa: 200 us and 300 us."""
+    rows = _report_rows()
+    tuned = dict(rows[0], impl="tuned", time_us_median=50.0, time_us_min=45.0, time_us_max=55.0,
+                 bandwidth_gbs=20.0, fraction_of_copy=0.5)
+    return rows[:1] + [tuned] + rows[1:]
+
+
+def test_summary_speedups_take_the_runtime_row_and_other_over_this():
+    t = Res.Table(_rows_with_a_tuned_entry())
+    b1, b3 = list(t.specs)
+    assert t.runtime(b1)["impl"] == "tuned" and t.time(b1, Res.RUNTIME) == 50.0
+    assert t.runtime(b3)["impl"] == "heuristic" and t.time(b3, Res.RUNTIME) == 150.0
+    s = P.summary(t)
+    assert s["tuned_shapes"] == 1 and s["tuned_vs_heuristic"] == pytest.approx(2.0)  # 100 / 50
+    g, n = s["vs"]["torch_sdpa"]
+    assert n == 2 and g == pytest.approx(math.sqrt(200 / 50 * 300 / 150))
+    assert P._tuned_cell(t, b1).text == "2.00×"
+    page = P.render_html(t.rows)
+    assert '<div class="v">2.00×</div><div class="l">tuned vs heuristic' in page
+    assert '<div class="v">2.83×</div><div class="l">tsdecode vs torch_sdpa' in page
+
+
+def test_summary_counts_a_shape_at_exactly_the_good_fraction_as_above():
+    rows = _report_rows()
+    rows[0]["fraction_of_copy"] = P.GOOD_FRACTION
+    s = P.summary(Res.Table(rows))
+    assert (s["above"], s["measured"]) == (1, 2)
+
+
+def test_a_baseline_above_tolerance_is_not_a_tsdecode_failure(tmp_path, capsys):
+    """A wrong torch_sdpa row is shown red in the table, but neither fails the tsdecode
+    correctness card nor the exit code, nor enters tsdecode's max error."""
+    rows = _report_rows()
+    rows[1].update(rel_error=0.5, error_ok=False)  # torch_sdpa, B=1
+    s = P.summary(Res.Table(rows))
+    assert [r["impl"] for r in s["wrong"]] == ["torch_sdpa"]
+    assert s["wrong_tsdecode"] == [] and s["max_err_tsdecode"] == pytest.approx(1e-3)
+    path = _write_report_csv(tmp_path / "results.csv", rows)
+    code, err = _report(["--from-csv", str(path), "--out", str(tmp_path / "out")], capsys)
+    assert code == 0 and "tsdecode problem" not in err
+    page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
+    assert "tsdecode correctness: max rel. error 1.0e-03" in page and ">FAIL<" not in page
+
+
+def test_report_csv_round_trip_keeps_every_value_and_type(tmp_path):
+    rows = _report_rows()
+    rows[1]["time_us_median"] = 200.0 / 3  # needs more than a few significant digits
+    read = Res.read_csv(_write_report_csv(tmp_path / "results.csv", rows))
+    for got, want in zip(read, rows):
+        for k, v in want.items():
+            assert type(got[k]) is type(v), k
+            assert got[k] == (pytest.approx(v, rel=1e-8) if isinstance(v, float) else v), k
+
+
+def test_report_csv_error_ok_cells_are_read_as_booleans(tmp_path, capsys):
+    """An explicit error_ok cell decides, as false/true or as 0/1 (spreadsheets write those)."""
+    rows = _report_rows()
+    rows[0]["error_ok"] = False  # the heuristic row, B=1
+    path = _write_report_csv(tmp_path / "results.csv", rows)
+    assert [r["error_ok"] for r in Res.read_csv(path)] == [False, True, True, True]
+    code, err = _report(["--from-csv", str(path), "--out", str(tmp_path / "out")], capsys)
+    assert code == 1 and "tsdecode problem" in err
+    text = path.read_text().replace(",false,", ",0,").replace(",true,", ",1,")
+    path.write_text(text)
+    assert [r["error_ok"] for r in Res.read_csv(path)] == [False, True, True, True]
+
+
+class _Clock:
+    """perf_counter advancing one second a call."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1.0
+        return self.now
+
+
+@pytest.mark.parametrize("budget, ran", [("0", 0), ("2", 2)])
+def test_budget_stops_new_shapes_once_spent(budget, ran, tmp_path, monkeypatch):
+    """--budget-s 0 runs no shape (every row skipped, reason named); --budget-s 2 with one
+    second a shape starts the shapes begun at 1 s and 2 s elapsed, not the one at 3 s."""
+    started = []
+
+    def fake_shape(spec, impls, opts, env, copy_bw, log):
+        started.append(spec.name)
+        return [{"shape": spec.name, "impl": impl.name, "impl_kind": impl.kind, "status": "skipped",
+                 "reason": "fake"} for impl in impls]
+
+    monkeypatch.setattr(B, "benchmark_shape", fake_shape)
+    monkeypatch.setattr(B.measure, "copy_bandwidth_gbs", lambda *a, **k: 100.0)
+    monkeypatch.setattr(B, "INTERPRETER_ACTIVE", True)
+    monkeypatch.setattr(B, "time", _Clock())
+    parser = argparse.ArgumentParser()
+    R.add_report_arguments(parser)
+    args = parser.parse_args(["--preset", "smoke", "--impls", "heuristic", "--device", "cpu",
+                              "--out", str(tmp_path), "--budget-s", budget])
+    rows, _ = B.run_benchmark(args, log=lambda *a: None)
+    names = [s.name for s in PRESETS["smoke"]]
+    assert started == names[:ran]
+    assert [r["shape"] for r in rows] == names
+    for r in rows[ran:]:
+        assert r["status"] == "skipped" and f"not run: time budget (--budget-s {budget})" in r["reason"]
+
+
+def test_benchmark_row_takes_the_median_and_checks_error_inclusively(monkeypatch):
+    """The row's time is the median of the timings, its bandwidth from that median, and an error
+    equal to the tolerance passes (<=), as read_csv derives it."""
+    spec = PRESETS["smoke"][0]
+    tol = measure.tolerance(spec)
+    monkeypatch.setattr(B, "_time", lambda calls, opts: ([10.0, 20.0, 60.0], Res.INTERPRETER, Res.MEANINGLESS))
+    monkeypatch.setattr(measure, "relative_error", lambda out, ref: tol)
+    try:
+        I.register_impl("noop", lambda spec, inputs: (lambda: None), kind="peer")
+        (row,) = B.benchmark_shape(spec, [I.IMPLS["noop"]], B.Options(torch.device("cpu")), {},
+                                   copy_bw=100.0, log=lambda *a: None)
+    finally:
+        I.unregister_impl("noop")
+    assert row["status"] == "ok"
+    assert (row["time_us_median"], row["time_us_min"], row["time_us_max"], row["replays"]) == (20.0, 10.0, 60.0, 3)
+    assert close(row["bandwidth_gbs"], row["bytes_moved"] / 20e-6 / 1e9)
+    assert close(row["fraction_of_copy"], row["bandwidth_gbs"] / 100.0)
+    assert row["rel_error"] == tol and row["error_ok"] is True
+
+
+def test_compare_cards_are_time_a_over_time_b_and_count_unmatched_shapes():
+    a = _report_rows()
+    extra = ShapeSpec(5, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    a.append(dict(a[0], shape=extra.name, batch_size=5, checked_requests=5))
+    b = []
+    for r in _report_rows():  # B: every time a quarter, no B=5 shape
+        r = dict(r)
+        for k in ("time_us_median", "time_us_min", "time_us_max"):
+            r[k] /= 4
+        b.append(r)
+    page = P.render_compare(a, b, "A", "B")
+    assert '<div class="v">4.00×</div><div class="l">tsdecode: B speedup over A' in page
+    assert '<div class="v">4.00×</div><div class="l">torch_sdpa: B speedup over A' in page
+    assert "0.25×" not in page
+    assert "matching shapes (1 only in A, 0 only in B)" in page
+
+
+def test_report_table_escapes_text_cells():
+    rows = _report_rows()
+    rows[1].update(status="skipped", reason="<img src=x onerror=alert(1)>", time_us_median=None)
+    page = P.render_html(rows)
+    assert "<img" not in page
+    assert page.count("&lt;img src=x onerror=alert(1)&gt;") == 2  # "Not run" list and table
+
+
+def test_from_csv_without_out_writes_beside_the_csv(tmp_path, monkeypatch, capsys):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    (tmp_path / "run").mkdir()
+    path = _write_report_csv(tmp_path / "run" / "results.csv", _report_rows())
+    assert _report(["--from-csv", str(path)], capsys)[0] == 0
+    assert (tmp_path / "run" / "report.html").is_file() and list(cwd.iterdir()) == []
