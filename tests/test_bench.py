@@ -300,3 +300,93 @@ def test_sweep_narrows_to_the_given_tiles_and_split_counts():
     assert sorted(c.num_kv_splits for c in configs) == [1, 5, 12]  # 45 tiles: 99 splits is too many
     full = sweep_configs.candidates(spec, 132)
     assert len({(c.block_n, c.num_warps, c.num_stages) for c in full}) > 1
+
+
+def test_ragged_lengths_span_half_to_kv_len_and_causal_ones_cover_the_query():
+    """Ragged lengths are drawn in [kv_len // 2, kv_len] with the longest exactly kv_len (the
+    spread the plans and the reports see); a causal request is never shorter than its query."""
+    from tuner.measure import seq_lens_for
+
+    spec = ShapeSpec(64, 1000, num_qo_heads=4, num_kv_heads=2, head_dim=64, ragged=True)
+    for seed in range(5):
+        lens = seq_lens_for(spec, torch.Generator().manual_seed(seed))
+        assert len(lens) == 64 and max(lens) == 1000 and min(lens) >= 500
+        assert min(lens) < 600  # the draw spans the range, not just its top
+    causal = ShapeSpec(16, 8, num_qo_heads=4, num_kv_heads=2, head_dim=64, seq_len_q=6, mask_type="causal",
+                       ragged=True)
+    for seed in range(5):
+        assert min(seq_lens_for(causal, torch.Generator().manual_seed(seed))) >= 6
+
+
+def test_bytes_moved_counts_q_read_and_the_output_written_in_their_own_dtypes():
+    """q read once in its dtype plus the output written once in its own (a float32 output costs
+    4 bytes an element), for every query token of every request (SQ > 1 by default)."""
+    from tuner.measure import kv_bytes
+
+    spec = ShapeSpec(3, 100, num_qo_heads=4, num_kv_heads=2, head_dim=64, o_dtype="float32")
+    assert bytes_moved(spec) == kv_bytes(spec) + 3 * 4 * 64 * (2 + 4)
+    sq = ShapeSpec(3, 100, num_qo_heads=4, num_kv_heads=2, head_dim=64, seq_len_q=4)
+    assert bytes_moved(sq) == kv_bytes(sq) + 3 * 4 * 4 * 64 * (2 + 2)
+
+
+def test_copies_read_at_least_the_l2_flush_and_whole_pages_fit_the_pool():
+    """R rounds up (a replay reads at least 256 MiB of K/V), and the pool budget counts whole
+    pages (a partly used last page is allocated all the same)."""
+    from tuner.measure import L2_FLUSH_BYTES, POOL_BUDGET_BYTES, kv_bytes, num_copies
+
+    odd = ShapeSpec(1, 24576)  # 96 MiB of K/V: 2 copies read 192 MiB, 3 read 288 MiB
+    assert num_copies(odd) == 3 and num_copies(odd) * kv_bytes(odd) >= L2_FLUSH_BYTES
+    per_token = 2 * 8 * 128 * 2
+    paged = ShapeSpec(1, 2**20 - 1, page_size=1000, mask_type="causal", window_left=4095)
+    pool_tokens = -(-paged.kv_len // 1000) * 1000  # 1049 pages of 1000 > 2**20 tokens
+    assert num_copies(paged) == 3 and num_copies(paged) * pool_tokens * per_token <= POOL_BUDGET_BYTES
+
+
+def test_geomean_skips_missing_non_positive_and_non_finite_values():
+    from tuner.measure import geomean
+
+    assert geomean([2.0, 8.0]) == pytest.approx(4.0)
+    assert geomean([2.0, None, 0.0, -1.0, float("inf"), float("nan"), 8.0]) == pytest.approx(4.0)
+    assert geomean([None, float("inf")]) is None
+
+
+def test_relative_error_is_relative_to_the_reference_and_tolerance_is_looser_for_fp8():
+    from tuner.measure import relative_error, tolerance
+
+    ref = torch.ones(4, 8, dtype=torch.float64)
+    assert relative_error(2 * ref, ref) == pytest.approx(1.0)
+    assert relative_error(ref.to(torch.bfloat16), ref) == 0.0
+    assert relative_error(torch.full((4, 8), float("nan")), ref) == float("inf")
+    bf16 = ShapeSpec(1, 64)
+    fp8 = ShapeSpec(1, 64, q_dtype="float8_e4m3fn", kv_dtype="float8_e4m3fn")
+    assert tolerance(fp8) > tolerance(bf16) == 2e-2
+
+
+def test_reference_rows_covers_the_rows_of_the_first_requests():
+    """At least one request, at most B; a packed set's rows end at qo_indptr[k], and the
+    reference there matches the reference of the whole batch."""
+    from tsdecode.reference import reference_decode
+    from tuner.measure import reference_rows
+
+    spec = ShapeSpec(3, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    inputs = make_inputs(spec, "cpu", seed=1)[0]
+    for count, want in ((0, 1), (2, 2), (9, 3)):
+        ref, stop, k = reference_rows(spec, inputs, count)
+        assert (k, stop, ref.shape[0]) == (want, want, want)
+    packed = ShapeSpec(3, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64, seq_len_q=4, packed=True,
+                       mask_type="causal")
+    inputs = make_inputs(packed, "cpu", seed=1)[0]
+    ref, stop, k = reference_rows(packed, inputs, 2)
+    assert k == 2 and stop == int(inputs.qo_indptr[2]) == ref.shape[0]
+    whole = reference_decode(inputs.q, inputs.cache, inputs.block_tables, inputs.seq_lens, seq_len_q=4,
+                             qo_indptr=inputs.qo_indptr, mask_type="causal", compute_dtype=torch.float64)
+    torch.testing.assert_close(ref, whole[:stop])
+
+
+def test_packed_query_lengths_span_one_to_seq_len_q():
+    from tuner.measure import q_lens_for
+
+    spec = ShapeSpec(64, 100, num_qo_heads=4, num_kv_heads=2, head_dim=64, seq_len_q=4, packed=True)
+    lens = q_lens_for(spec, torch.Generator().manual_seed(0))
+    assert len(lens) == 64 and set(lens) == {1, 2, 3, 4}
+    assert q_lens_for(ShapeSpec(3, 100, seq_len_q=4), torch.Generator()) == [4, 4, 4]

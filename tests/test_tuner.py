@@ -816,8 +816,10 @@ def test_create_has_no_device_or_output_flags(argv, owners, tmp_path, capsys):
     ('kv_dtypes = ["fp8"]', "[[grid]] 1: kv_dtypes: unknown dtype(s) ['fp8']"),
     ('heads = "4-2"', "[[grid]] 1: heads: expected HQ:HKV pairs like 32:8, got '4-2'"),
     ("heads = [4, 2]", "[[grid]] 1: heads: expected HQ:HKV pairs"),
+    ("seq_len_q = true", "[[grid]] 1: seq_len_q: expected an integer >= 1, got True"),
+    ("window_left = -5\nmask = \"causal\"", "[[grid]] 1: window_left: expected an integer >= -1, got -5"),
 ], ids=["unknown_key", "packed_str", "ragged_int", "seq_len_float", "head_dim_100", "fp8", "heads_str",
-        "heads_flat"])
+        "heads_flat", "seq_len_bool", "window_below_minus_one"])
 def test_cli_bad_grid_file_names_the_key(body, message, tmp_path, capsys):
     grid = tmp_path / "grid.toml"
     out = tmp_path / "out"
@@ -834,7 +836,10 @@ def test_cli_bad_grid_file_names_the_key(body, message, tmp_path, capsys):
     ("batch_sizes = 5\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
     ("batch_sizes = [1]\nkv_lens = [0]", "kv_lens: expected positive integers"),
     ("batch_sizes = [1]", "needs both batch sizes and K/V lengths"),
-], ids=["float", "scalar", "zero", "missing"])
+    ("batch_sizes = [true]\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
+    ("batch_sizes = [1]\nkv_lens = [40]\n[settings]\ntrials = 4", "expected one or more [[grid]] tables (unknown "
+                                                                   "top-level key(s) ['settings'])"),
+], ids=["float", "scalar", "zero", "missing", "bool", "unknown_top_level_key"])
 def test_cli_grid_file_lists_must_be_positive_integers(lists, message, tmp_path, capsys):
     grid = tmp_path / "grid.toml"
     grid.write_text(f"[[grid]]\n{lists}\n")
@@ -1288,3 +1293,55 @@ def test_a_rerun_searches_on_where_the_time_budget_cut_a_bucket_short(tmp_path, 
     assert main([*TINY, "--trials", "4", "--out", str(out), "--isolation", "inline", *FAST]) == 0
     assert "already tuned (4 configs measured)" in "".join(capsys.readouterr())
     _check_log_matches_storage(out)
+
+
+def test_shape_spec_refuses_zero_sizes_and_a_window_without_causal():
+    for bad in ({"batch_size": 0}, {"kv_len": 0}, {"page_size": 0}, {"seq_len_q": 0}, {"num_kv_heads": 0}):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            ShapeSpec(**{"batch_size": 1, "kv_len": 64, **bad})
+    with pytest.raises(ValueError, match="needs mask_type='causal'"):
+        ShapeSpec(1, 64, window_left=8)
+
+
+def test_problem_shape_spread_is_longest_over_mean_length():
+    spec = ShapeSpec(4, 100, ragged=True)
+    assert spec.to_problem_shape().kv_len_spread == 1.0
+    assert spec.to_problem_shape([100, 50, 50, 100]).kv_len_spread == pytest.approx(100 * 4 / 300)
+
+
+def test_llama3_70b_presets_split_the_heads_by_the_tensor_parallel_degree():
+    for tp in (1, 2, 4, 8):
+        specs = PRESETS[f"llama3-70b-tp{tp}"]
+        assert {(s.num_qo_heads, s.num_kv_heads) for s in specs} == {(64 // tp, 8 // tp)}
+    assert {(s.num_qo_heads, s.num_kv_heads) for s in PRESETS["qwen2.5-7b"]} == {(28, 4)}
+
+
+def test_a_grid_named_twice_holds_each_shape_once():
+    from tuner.grids import specs_from_args
+
+    args = SimpleNamespace(preset=["smoke", "smoke"], grid_file=None, batch_sizes="1", kv_lens="40",
+                           heads="4:2", head_dim="64", page_sizes="16", kv_dtypes="bfloat16", q_dtype=None,
+                           seq_len_q=1, packed=False, mask="dense", window_left=-1, ragged=False)
+    specs = specs_from_args(args)
+    assert specs == PRESETS["smoke"]  # B1 L40 H4x2 D64 is a smoke shape already
+
+
+def test_a_buckets_space_is_built_for_its_longest_shape_and_speedup_is_default_over_winner():
+    """The representative has the bucket's longest K/V (its split space reaches that shape's tile
+    count), whichever shape has the larger batch; speedup is default time / winner time."""
+    short_wide, long_narrow = ShapeSpec(6, 900), ShapeSpec(5, 1000)
+    bucket = tuner_buckets.Bucket("k", (8, 1024), (short_wide, long_narrow))
+    assert bucket.representative == long_narrow and bucket.shape.max_kv_len == 1000
+    result = tuner_buckets.BucketResult(bucket, "s", True, KernelConfig(), 5.0, None, None, KernelConfig(), 10.0)
+    assert result.speedup == pytest.approx(2.0)
+    assert "2.00x" in tuner_buckets.summary_table([result])
+
+
+def test_asked_split_counts_are_capped_at_the_shapes_tile_count():
+    """--num-kv-splits values past the K/V tiles at the smallest block_n fold onto that count
+    (a larger split count only fits down to it): the space holds each distinct config once."""
+    shape = ShapeSpec(1, 48, num_qo_heads=4, num_kv_heads=2, head_dim=64).to_problem_shape()
+    default = heuristic_config(shape, H200)
+    asked = space.SpaceLimits(block_n=(16, 32), num_kv_splits=(1, 2, 8, 64))
+    assert set(space.build_space(shape, 132, asked, default)["num_kv_splits"]) - {default.num_kv_splits} <= {1, 2, 3}
+    assert 3 in space.build_space(shape, 132, asked, default)["num_kv_splits"]  # 48 / 16 tiles
