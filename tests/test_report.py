@@ -616,6 +616,60 @@ def test_each_shape_times_its_implementations_in_a_rotated_order(tmp_path, monke
     assert [r["impl"] for r in rows] == names * 4
 
 
+def test_a_warm_up_window_is_replayed_and_discarded(monkeypatch):
+    """On a GPU, ``warm_up`` replays one window that does not count, then times the next."""
+    windows = []
+
+    def fake_graph_times(calls, replay_ms):
+        windows.append(replay_ms)
+        return [float(len(windows))] * 3
+
+    monkeypatch.setattr(B.measure, "graph_times_us", fake_graph_times)
+    opts = B.Options(torch.device("cuda"), replay_ms=7.0)
+    times, method, note = B._time([lambda: None], opts, warm_up=True)
+    assert windows == [7.0, 7.0] and times == [2.0] * 3 and method == B.CUDA_GRAPH and note == ""
+    windows.clear()
+    times, _, _ = B._time([lambda: None], opts)
+    assert windows == [7.0] and times == [1.0] * 3
+
+
+def test_only_a_shapes_first_timed_implementation_warms_up(monkeypatch):
+    """The warm-up goes to the first implementation that is timed, past one that declines the
+    shape, and to no other."""
+    spec = ShapeSpec(2, 40, 4, 2, 64)
+    flags = []
+
+    def fake_time(calls, opts, warm_up=False):
+        flags.append(warm_up)
+        for call in calls:
+            call()
+        return [1.0], B.INTERPRETER, B.MEANINGLESS
+
+    def declines(spec, inputs):
+        raise I.Unsupported("not this one")
+
+    def copies_reference(spec, inputs):
+        from tsdecode.reference import reference_decode
+
+        return lambda: inputs.out.copy_(reference_decode(inputs.q, inputs.cache, inputs.block_tables,
+                                                         inputs.seq_lens))
+
+    monkeypatch.setattr(B, "_time", fake_time)
+    names = ("declines", "first", "second", "third")
+    try:
+        I.register_impl("declines", declines, kind="peer")
+        for n in names[1:]:
+            I.register_impl(n, copies_reference, kind="peer")
+        opts = B.Options(torch.device("cpu"))
+        rows = B.benchmark_shape(spec, [I.IMPLS[n] for n in names], opts, B.environment(opts.device),
+                                 copy_bw=100.0, log=lambda *a: None)
+    finally:
+        for n in names:
+            I.unregister_impl(n)
+    assert flags == [True, False, False]
+    assert [r["status"] for r in rows] == ["skipped", "ok", "ok", "ok"]
+
+
 @needs_cpu_kernels
 @pytest.mark.parametrize("spec", [
     ShapeSpec(2, 70, 4, 2, 64, seq_len_q=3, mask_type="causal", window_left=20, ragged=True),
@@ -842,7 +896,8 @@ def test_benchmark_row_takes_the_median_and_checks_error_inclusively(monkeypatch
     equal to the tolerance passes (<=), as read_csv derives it."""
     spec = PRESETS["smoke"][0]
     tol = measure.tolerance(spec)
-    monkeypatch.setattr(B, "_time", lambda calls, opts: ([10.0, 20.0, 60.0], Res.INTERPRETER, Res.MEANINGLESS))
+    monkeypatch.setattr(B, "_time", lambda calls, opts, warm_up=False: ([10.0, 20.0, 60.0], Res.INTERPRETER,
+                                                                      Res.MEANINGLESS))
     monkeypatch.setattr(measure, "relative_error", lambda out, ref: tol)
     try:
         I.register_impl("noop", lambda spec, inputs: (lambda: None), kind="peer")
