@@ -47,7 +47,9 @@ import bench_decode  # noqa: E402
 import tsdecode  # noqa: E402
 from tsdecode.config import tables  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
-from tuner.measure import bytes_moved, copy_bandwidth_gbs, graph_time_us, make_inputs, num_copies  # noqa: E402
+from tuner.measure import (  # noqa: E402
+    bytes_moved, copy_bandwidth_gbs, graph_time_us, make_inputs, num_copies, sm_clock_mhz,
+)
 
 PAGE_SIZES = (1, 2, 3, 4, 8, 12, 16, 16, 24, 32, 48, 64)
 MAX_KV_BYTES = 4 << 30
@@ -170,14 +172,6 @@ def tuned_summary(ratios: list[float]) -> str:
 
 RETIME_BELOW = 0.97  # A/B time ratio under which a shape gets more rounds
 RETIME_CYCLES = 2  # full rotations of the order added then: each side still leads equally often
-
-
-def sm_clock_mhz() -> float | None:
-    """The SM clock now (nvidia-smi's reading through torch; None where NVML is missing)."""
-    try:
-        return float(torch.cuda.clock_rate())
-    except Exception:  # no pynvml / amdsmi: the clock is not reported
-        return None
 
 
 def time_rounds(sides: dict, times: dict, clocks: dict, rounds: int, replay_ms: float) -> None:

@@ -333,7 +333,7 @@ def _report_rows() -> list[dict]:
                 "shape": spec.name, **spec.to_dict(), "impl": impl, "impl_kind": kind,
                 "status": "ok", "timing_method": "cuda_graph", "copies": 1, "replays": 9,
                 "time_us_median": us, "time_us_min": 0.9 * us, "time_us_max": 1.1 * us,
-                "bytes_moved": 10**6, "bandwidth_gbs": 1e6 / us / 1e3, "copy_bandwidth_gbs": 40.0,
+                "sm_clock_mhz": 1980.0 - b, "bytes_moved": 10**6, "bandwidth_gbs": 1e6 / us / 1e3, "copy_bandwidth_gbs": 40.0,
                 "fraction_of_copy": 1e6 / us / 1e3 / 40.0, "rel_error": 1e-3, "tolerance": 2e-2,
                 "error_ok": True, "checked_requests": b, "device": "Test GPU", "sm_count": 132,
                 "compute_capability": "9.0",
@@ -668,6 +668,7 @@ def test_only_a_shapes_first_timed_implementation_warms_up(monkeypatch):
             I.unregister_impl(n)
     assert flags == [True, False, False]
     assert [r["status"] for r in rows] == ["skipped", "ok", "ok", "ok"]
+    assert all(r["sm_clock_mhz"] is None for r in rows[1:])  # no GPU clock on the CPU
 
 
 @needs_cpu_kernels

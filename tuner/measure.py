@@ -284,6 +284,15 @@ def graph_times_us(calls: Sequence[Callable[[], object]], replay_ms: float = 80.
     return times
 
 
+def sm_clock_mhz() -> float | None:
+    """The current GPU's SM clock now, MHz (NVML's reading through torch; None where NVML is
+    missing): read after a timing window, it tells a window run at a lowered clock."""
+    try:
+        return float(torch.cuda.clock_rate())
+    except Exception:  # no pynvml / amdsmi: the clock is not reported
+        return None
+
+
 def wall_times_us(call: Callable[[], object], repeats: int = 1) -> list[float]:
     """Wall-clock time of each of ``repeats`` calls (us); CPU/interpreter runs, meaningless."""
     times = []

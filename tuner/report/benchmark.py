@@ -153,6 +153,7 @@ def benchmark_shape(spec: ShapeSpec, impls: Sequence[I.Impl], opts: Options, env
                 inp.out.fill_(float("nan"))  # a call that writes nothing fails the check
             times, method, note = _time(calls, opts, warm_up=not warmed)
             warmed = True
+            row["sm_clock_mhz"] = measure.sm_clock_mhz() if cuda else None
             err = measure.relative_error(first.out[:stop], ref)
             row.update(
                 status="ok", timing_method=method, timing_note=note, replays=len(times),

@@ -24,7 +24,7 @@ SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(ShapeSpec))
 BASE_COLUMNS = (
     ("shape",) + SPEC_FIELDS + (
         "impl", "impl_kind", "status", "reason", "timing_method", "timing_note", "copies", "replays",
-        "time_us_median", "time_us_min", "time_us_max", "bytes_moved", "bandwidth_gbs",
+        "time_us_median", "time_us_min", "time_us_max", "sm_clock_mhz", "bytes_moved", "bandwidth_gbs",
         "copy_bandwidth_gbs", "fraction_of_copy", "speedup_vs_heuristic",
     )
 )
@@ -38,8 +38,8 @@ INT_COLUMNS = {"batch_size", "kv_len", "num_qo_heads", "num_kv_heads", "head_dim
                "seq_len_q", "window_left", "copies", "replays", "bytes_moved", "checked_requests",
                "sm_count"}
 BOOL_COLUMNS = {"packed", "ragged", "error_ok"}
-FLOAT_COLUMNS = {"time_us_median", "time_us_min", "time_us_max", "bandwidth_gbs", "copy_bandwidth_gbs",
-                 "fraction_of_copy", "rel_error", "tolerance"}
+FLOAT_COLUMNS = {"time_us_median", "time_us_min", "time_us_max", "sm_clock_mhz", "bandwidth_gbs",
+                 "copy_bandwidth_gbs", "fraction_of_copy", "rel_error", "tolerance"}
 # What re-rendering, comparing and the exit code read from a CSV (the rest is optional). Cells
 # of CELL_COLUMNS are never empty; the others are empty where a row did not run.
 CELL_COLUMNS = ("shape",) + SPEC_FIELDS + ("impl", "impl_kind", "status")
