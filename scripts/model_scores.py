@@ -18,6 +18,7 @@ rows' sources and add each part with ``scripts/add_timings.py --src``.
 Usage: python scripts/model_scores.py
        python scripts/model_scores.py --misses 1.10 --src O,P
        python scripts/model_scores.py --other .prev --suites targets,heldout,random --seed 37
+       python scripts/model_scores.py --other .prev --suites random --seed 79,83,89
        python scripts/model_scores.py --other .prev --untimed untimed.csv
 """
 
@@ -122,8 +123,9 @@ def scores(groups: dict, picks: dict | None = None) -> dict[str, dict[str, float
             for src, r in by_src.items()}
 
 
-def suite_shapes(suites: str, count: int, seed: int) -> list[tuple[str, object]]:
-    """(name, ProblemShape) of ab_trees.py's suites, with the spread of the lengths its inputs draw."""
+def suite_shapes(suites: str, count: int, seeds: list[int]) -> list[tuple[str, object]]:
+    """(name, ProblemShape) of ab_trees.py's suites, with the spread of the lengths its inputs draw;
+    the random suite once per seed (named ``random/seedN/...`` where there are several)."""
     import dataclasses
 
     import torch
@@ -132,12 +134,14 @@ def suite_shapes(suites: str, count: int, seed: int) -> list[tuple[str, object]]
     from ab_trees import suite_shapes as ab_suite_shapes
     from tuner.measure import seq_lens_for
 
-    out = []
-    for suite, spec in ab_suite_shapes(suites.split(","), count, seed):
-        lens = seq_lens_for(spec, torch.Generator().manual_seed(1))  # make_inputs(seed=1)'s draw
-        spread = max(1.0, max(lens) * len(lens) / sum(lens))
-        out.append((f"{suite}/{spec.name}", dataclasses.replace(spec.to_problem_shape(), kv_len_spread=spread)))
-    return out
+    out = {}
+    for seed in seeds:
+        for suite, spec in ab_suite_shapes(suites.split(","), count, seed):
+            lens = seq_lens_for(spec, torch.Generator().manual_seed(1))  # make_inputs(seed=1)'s draw
+            spread = max(1.0, max(lens) * len(lens) / sum(lens))
+            name = f"{suite}/seed{seed}/{spec.name}" if suite == "random" and len(seeds) > 1 else f"{suite}/{spec.name}"
+            out[name] = dataclasses.replace(spec.to_problem_shape(), kv_len_spread=spread)
+    return list(out.items())
 
 
 def _fields(config) -> list[int]:
@@ -154,7 +158,8 @@ def _picks(args) -> dict[str, list[int]]:
     """This tree's picks, keyed "src|shape" for the timings and "suite/shape" for --suites."""
     picks = {f"{src}|{name}": _fields(model_pick(shape)) for (src, name), (shape, _) in load_timings().items()}
     if args.suites:
-        picks.update({name: _fields(model_pick(shape)) for name, shape in suite_shapes(args.suites, args.count, args.seed)})
+        seeds = [int(seed) for seed in args.seed.split(",")]
+        picks.update({name: _fields(model_pick(shape)) for name, shape in suite_shapes(args.suites, args.count, seeds)})
     return picks
 
 
@@ -163,7 +168,7 @@ def _other_picks(args) -> dict[str, list[int]]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(args.other).resolve()), str(ROOT)]))
     cmd = [sys.executable, __file__, "--tree", str(Path(args.other).resolve()), "--dump-picks"]
     if args.suites:
-        cmd += ["--suites", args.suites, "--count", str(args.count), "--seed", str(args.seed)]
+        cmd += ["--suites", args.suites, "--count", str(args.count), "--seed", args.seed]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the other tree's model failed ({args.other}):\n{done.stderr[-2000:]}")
@@ -214,7 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--other", default=None, help="root of another source tree to compare with")
     ap.add_argument("--suites", default=None, help="with --other: ab_trees.py suites (targets, heldout, random)")
     ap.add_argument("--count", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=2)
+    ap.add_argument("--seed", default="2", help="the random suite's seed, or several, comma-separated")
     ap.add_argument("--src", default=None, help="comma-separated sources to list (--misses, differing picks)")
     ap.add_argument("--misses", type=float, default=None, help="list this tree's picks slower than this x best")
     ap.add_argument("--untimed", default=None, help="write this tree's unmeasured picks (CSV) to time")

@@ -1631,6 +1631,20 @@ def test_model_scores_compares_two_trees_picks(tmp_path, capsys):
     assert capsys.readouterr().out.split("picks that differ")[1].strip().endswith("measured pick / best):")
 
 
+def test_model_scores_names_each_seeds_random_shapes():
+    """model_scores.py --seed takes several seeds: the random suite once per seed, its shapes named
+    by seed, each as that seed alone draws it; targets once, whatever the seeds."""
+    one = {seed: dict(SCORES.suite_shapes("random", 3, [seed])) for seed in (89, 97)}
+    both = dict(SCORES.suite_shapes("random,targets", 3, [89, 97]))
+    for seed in (89, 97):
+        assert all(name.startswith("random/") and "/seed" not in name for name in one[seed])
+        for name, shape in one[seed].items():
+            assert both[name.replace("random/", f"random/seed{seed}/")] == shape
+    targets = [name for name in both if name.startswith("targets/")]
+    assert targets and len(both) == 6 + len(targets)
+    assert set(one[89]) != set(one[97])
+
+
 def test_untimed_picks_go_to_a_sweep_that_draws_their_lengths(tmp_path, capsys):
     """model_scores.py --untimed lists every pick the timings lack, with the shape as its source
     recorded it; sweep_configs.py --configs reads that list back, each shape's lengths drawn with
