@@ -158,8 +158,7 @@ def _picks(args) -> dict[str, list[int]]:
     """This tree's picks, keyed "src|shape" for the timings and "suite/shape" for --suites."""
     picks = {f"{src}|{name}": _fields(model_pick(shape)) for (src, name), (shape, _) in load_timings().items()}
     if args.suites:
-        seeds = [int(seed) for seed in args.seed.split(",")]
-        picks.update({name: _fields(model_pick(shape)) for name, shape in suite_shapes(args.suites, args.count, seeds)})
+        picks.update({name: _fields(model_pick(shape)) for name, shape in suite_shapes(args.suites, args.count, args.seed)})
     return picks
 
 
@@ -168,7 +167,7 @@ def _other_picks(args) -> dict[str, list[int]]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(args.other).resolve()), str(ROOT)]))
     cmd = [sys.executable, __file__, "--tree", str(Path(args.other).resolve()), "--dump-picks"]
     if args.suites:
-        cmd += ["--suites", args.suites, "--count", str(args.count), "--seed", args.seed]
+        cmd += ["--suites", args.suites, "--count", str(args.count), "--seed", ",".join(map(str, args.seed))]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the other tree's model failed ({args.other}):\n{done.stderr[-2000:]}")
@@ -214,12 +213,19 @@ def _ratio(x: float | None) -> str:
     return "untimed" if x is None else f"{x:.3f}"
 
 
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(seed) for seed in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed wants integers, comma-separated (e.g. 79,83), got {text!r}") from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--other", default=None, help="root of another source tree to compare with")
     ap.add_argument("--suites", default=None, help="with --other: ab_trees.py suites (targets, heldout, random)")
     ap.add_argument("--count", type=int, default=40)
-    ap.add_argument("--seed", default="2", help="the random suite's seed, or several, comma-separated")
+    ap.add_argument("--seed", type=_seeds, default=[2], help="the random suite's seed, or several, comma-separated")
     ap.add_argument("--src", default=None, help="comma-separated sources to list (--misses, differing picks)")
     ap.add_argument("--misses", type=float, default=None, help="list this tree's picks slower than this x best")
     ap.add_argument("--untimed", default=None, help="write this tree's unmeasured picks (CSV) to time")
