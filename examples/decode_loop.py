@@ -214,8 +214,8 @@ def main(argv=None) -> dict[str, Result]:
     args.max_kv_len = args.max_prompt + args.max_new
     results = run_all(args)
     r = next(iter(results.values()))
-    print(f"{r.steps} steps, {r.joined} requests joined, {r.left} left, batch sizes "
-          f"{min(r.batch_sizes)}..{max(r.batch_sizes)}")
+    print(f"{args.steps} steps ({r.steps} with a live request), {r.joined} requests joined, {r.left} left, "
+          f"batch sizes {min(r.batch_sizes)}..{max(r.batch_sizes)}")
     print(f"{'mode':<9} {'steps/s':>9} {'max abs err':>12} {'max rel err':>12}  (attention only, vs float64 reference)")
     for mode, r in results.items():
         print(f"{mode:<9} {r.steps / r.seconds:>9.1f} {r.max_err:>12.2e} {r.max_rel_err:>12.2e}")
