@@ -9,13 +9,18 @@ registers, spills, shared memory, the instruction count per opcode and the memor
 instructions. ``--source`` compiles another copy of decode.py; ``--compare`` diffs TTIR, TTGIR
 and SASS of two copies (e.g. to show a constexpr-gated change leaves every other variant's
 machine code alone); a decode.py inside another source tree's ``tsdecode/kernels/`` that imports
-its package is loaded with that tree. Codegen differs between triton versions: this counts what
-the installed triton emits. To count what another version emits: ``pip download triton==X
---no-deps``, ``pip install --no-deps --target /tmp/tX <the wheel>``, run with ``PYTHONPATH=/tmp/tX``.
+its package is loaded with that tree. ``--compare-tree ROOT`` compiles a grid of variants (five
+q/cache dtype pairs x dense, causal and windowed masks x five configs), each with its own tree's
+kernel and launcher constexprs, and lists those whose SASS differs from this tree's: a change whose
+other variants compile to the same machine code cannot change their speed. Codegen differs
+between triton versions: this counts what the installed triton emits. To count what another
+version emits: ``pip download triton==X --no-deps``, ``pip install --no-deps --target /tmp/tX <the
+wheel>``, run with ``PYTHONPATH=/tmp/tX``.
 
 Usage: python scripts/sass_count.py [--kv-dtype fp8e4nv] [--block-n 64] [--block-m 16] [--warps 2]
        [--stages 2] [--splits 6] [--group 4] [--head-dim 128] [--page-size 16]
        [--transposed | --standard] [--maxnreg 128] [--source decode.py] [--compare other/decode.py]
+       python scripts/sass_count.py --compare-tree /path/to/other/tree [--grid-filter TEXT ...]
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from triton.backends.compiler import BaseBackend, GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from tsdecode.config.space import KernelConfig, ProblemShape  # noqa: E402
-from tsdecode.kernels.launch import allocate_scratch, compute_dtype, transposed_products  # noqa: E402
+from tsdecode.kernels import launch as this_launch  # noqa: E402
 
 DEFAULT_SOURCE = os.path.join(os.path.dirname(__file__), "..", "tsdecode", "kernels", "decode.py")
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -72,18 +77,19 @@ def load_module(path: str, name: str):
     return importlib.import_module(f"tsdecode_other.kernels.{os.path.basename(path)[:-3]}")
 
 
-def launch_arguments(shape: ProblemShape, config: KernelConfig, transposed: bool | None) -> tuple[dict, dict]:
-    """({runtime argument: value}, {constexpr: value}) of the split kernel as the plan launches it
-    on sm90 (tensors as CPU stand-ins of the right dtype)."""
-    rows = shape.rows_per_kv_head
-    if transposed is None:
-        transposed = transposed_products(shape.kv_dtype, rows, config)
+def launch_arguments(shape: ProblemShape, config: KernelConfig, transposed: bool | None,
+                     launch=this_launch) -> tuple[dict, dict]:
+    """({runtime argument: value}, {constexpr: value}) of the split kernel as ``launch`` (a tree's
+    ``tsdecode.kernels.launch``) launches it on sm90 (tensors as CPU stand-ins of the right dtype)."""
     splits = config.num_kv_splits
     total_q = shape.batch_size * shape.max_seq_len_q
     hq, hkv, d, p = shape.num_qo_heads, shape.num_kv_heads, shape.head_dim, shape.page_size
-    q_strides = (hq * d, 0, d)  # [B, Hq, D] contiguous: (batch, token, head)
+    sq = shape.max_seq_len_q
+    # q and out contiguous, (batch, token, head) strides: [B, Hq, D], or [B, SQ, Hq, D]
+    q_strides = (hq * d, 0, d) if sq == 1 else (sq * hq * d, hq * d, d)
+    scratch = None
     if splits > 1:
-        partial_o, partial_lse = allocate_scratch(shape, config, total_q, torch.device("cpu"))
+        scratch = partial_o, partial_lse = launch.allocate_scratch(shape, config, total_q, torch.device("cpu"))
         po_strides, lse_strides = partial_o.stride()[:3], partial_lse.stride()[:2]
     else:
         partial_o = partial_lse = torch.empty(1, dtype=shape.o_dtype)
@@ -101,22 +107,17 @@ def launch_arguments(shape: ProblemShape, config: KernelConfig, transposed: bool
         stride_bt_row=BLOCK_TABLE_COLUMNS, stride_po_tok=po_strides[0], stride_po_head=po_strides[1],
         stride_po_split=po_strides[2], stride_lse_tok=lse_strides[0], stride_lse_head=lse_strides[1],
     )
-    constexprs = dict(
-        GROUP_SIZE=shape.group_size, HEAD_DIM=d, BLOCK_D=shape.block_d, PAGE_SIZE=p,
-        SEQ_LEN_Q=shape.max_seq_len_q, PACKED=shape.packed, CAUSAL=shape.causal, WINDOW=shape.window_left >= 0,
-        NUM_M_BLOCKS=-(-rows // config.block_m), BLOCK_M=triton.next_power_of_2(rows) if transposed else config.block_m,
-        BLOCK_N=config.block_n, TRANSPOSED=transposed, DIRECT_OUT=splits == 1, USE_DOT=config.uses_dot,
-        DOT_FP32=False, COMPUTE_DTYPE=compute_dtype(shape.q_dtype, shape.kv_dtype),
-        NUM_STAGES=config.num_stages, USE_PDL=True,
-    )
+    plan = launch.DecodeLaunch(shape, config, total_q, torch.device("cpu"), scratch, transposed=transposed)
+    # the launcher's own constexprs, as on sm90: PDL on (it is off for a CPU device), no interpreter
+    constexprs = dict(plan._split_constexprs, USE_PDL=True, DOT_FP32=False)
     return values, constexprs
 
 
 def compile_split(module, shape: ProblemShape, config: KernelConfig, transposed: bool | None = None,
-                  maxnreg: int | None = None):
-    """triton.compile of ``module._split_kv_kernel`` for sm90, specialised as the launch is."""
+                  maxnreg: int | None = None, launch=this_launch):
+    """triton.compile of ``module._split_kv_kernel`` for sm90, specialised as ``launch`` launches it."""
     fn = module._split_kv_kernel
-    values, constexprs = launch_arguments(shape, config, transposed)
+    values, constexprs = launch_arguments(shape, config, transposed, launch)
     unspecialised = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize or ()}
     signature, fixed, attrs = {}, {}, {}
     for i, param in enumerate(fn.params):
@@ -172,6 +173,54 @@ def strip_locations(text: str) -> list[str]:
     return [line for line in lines if line and not line.startswith("#loc")]
 
 
+# (cache, q) dtypes: output float16 for an fp8 q, else q's dtype
+GRID_DTYPES = ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+               (torch.float8_e4m3fn, torch.float16), (torch.float8_e4m3fn, torch.bfloat16),
+               (torch.float8_e4m3fn, torch.float8_e4m3fn))
+GRID_MASKS = (("dense", 1, -1), ("causal", 3, -1), ("windowed", 2, 100))  # (mask kind, SQ, window_left)
+# (G, D, P, block_m, block_n, splits, warps, stages): tl.dot and FMA products, one split and several
+GRID_CONFIGS = ((4, 128, 16, 16, 64, 1, 4, 2), (8, 128, 16, 16, 16, 4, 1, 5), (1, 64, 3, 4, 32, 2, 2, 3),
+                (16, 256, 16, 16, 32, 8, 8, 3), (2, 128, 64, 16, 128, 1, 1, 3))
+
+
+def grid_variants():
+    """(label, shape, config) of every variant ``--compare-tree`` compiles."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8"}
+    for kv, q in GRID_DTYPES:
+        out = torch.float16 if q.itemsize == 1 else q
+        for g, d, p, block_m, block_n, splits, warps, stages in GRID_CONFIGS:
+            for mask, sq, window in GRID_MASKS:
+                shape = ProblemShape(batch_size=4, num_qo_heads=8 * g, num_kv_heads=8, head_dim=d, page_size=p,
+                                     max_kv_len=4096, max_seq_len_q=sq, mask_kind=mask, q_dtype=q, kv_dtype=kv,
+                                     o_dtype=out, window_left=window)
+                config = KernelConfig(block_n=block_n, block_m=block_m, num_kv_splits=splits, num_warps=warps,
+                                      num_stages=stages)
+                yield (f"kv {name[kv]} q {name[q]} {mask} SQ {sq} G {g} D {d} P {p} block_n {block_n} "
+                       f"block_m {block_m} splits {splits} warps {warps} stages {stages}"), shape, config
+
+
+def compare_trees(root: str, grid_filter: list[str]) -> int:
+    """Compile each grid variant (whose label holds every text of ``grid_filter``) with this tree
+    and the tree at ``root``; print whether its SASS differs. Returns how many differ."""
+    from ab_trees import load_other_tree
+
+    load_other_tree(root)
+    other_decode = importlib.import_module("tsdecode_other.kernels.decode")
+    other_launch = importlib.import_module("tsdecode_other.kernels.launch")
+    this_decode = importlib.import_module("tsdecode.kernels.decode")
+    variants = [v for v in grid_variants() if all(text in v[0] for text in grid_filter)]
+    differ = 0
+    for label, shape, config in variants:
+        ours = compile_split(this_decode, shape, config)
+        theirs = compile_split(other_decode, shape, config, launch=other_launch)
+        same = strip_locations(disassemble(ours)[0]) == strip_locations(disassemble(theirs)[0])
+        differ += not same
+        print(f"{'identical' if same else 'DIFFERS  '}  {label}", flush=True)
+    print(f"triton {triton.__version__}, sm90: {differ} of {len(variants)} variants' SASS differs from {root}'s "
+          "(source locations ignored)")
+    return differ
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kv-dtype", default="fp8e4nv", choices=tuple(KV_DTYPES), help="K/V cache dtype (q and "
@@ -192,7 +241,15 @@ def main(argv=None) -> int:
     ap.add_argument("--maxnreg", type=int, default=None, help="triton's register cap (a compile option)")
     ap.add_argument("--source", default=DEFAULT_SOURCE)
     ap.add_argument("--compare", default=None, help="another decode.py: diff TTIR, TTGIR, SASS")
+    ap.add_argument("--compare-tree", default=None, metavar="ROOT",
+                    help="another source tree: list the grid's variants whose SASS differs from this tree's")
+    ap.add_argument("--grid-filter", action="append", default=[], metavar="TEXT",
+                    help="with --compare-tree: only the variants whose label contains TEXT (e.g. 'kv fp8 q bf16'; "
+                    "repeated: every TEXT)")
     args = ap.parse_args(argv)
+    if args.compare_tree:
+        compare_trees(args.compare_tree, args.grid_filter)
+        return 0
     kv = KV_DTYPES[args.kv_dtype]
     io = torch.bfloat16 if kv.itemsize == 1 else kv
     shape = ProblemShape(batch_size=1, num_qo_heads=8 * args.group, num_kv_heads=8, head_dim=args.head_dim,

@@ -188,6 +188,33 @@ def test_sass_count_compiles_for_sm90_without_a_gpu_and_compares_copies():
         assert f"{ir}: identical" in out.stdout
 
 
+def test_sass_count_lists_the_variants_a_kernel_change_reaches(tmp_path):
+    """scripts/sass_count.py --compare-tree: against a copy of this tree whose window start is one
+    key later, the windowed variant's SASS differs and the dense and causal ones are identical."""
+    import shutil
+    import subprocess
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton has no bundled ptxas")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    shutil.copytree(os.path.join(root, "tsdecode"), tmp_path / "tsdecode")
+    kernel = tmp_path / "tsdecode" / "kernels" / "decode.py"
+    source = kernel.read_text()
+    assert source.count("row_end - window_left - 1") == 1
+    kernel.write_text(source.replace("row_end - window_left - 1", "row_end - window_left"))
+    out = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "sass_count.py"), "--compare-tree", str(tmp_path),
+         "--grid-filter", "kv bf16 q bf16", "--grid-filter", "G 4 D 128"],
+        capture_output=True, text=True, env=dict(os.environ, TRITON_INTERPRET="0"), timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if "G 4 D 128" in line]
+    assert len(lines) == 3 and [line.split()[0] for line in lines] == ["identical", "identical", "DIFFERS"], lines
+    assert "windowed" in lines[2] and "1 of 3 variants' SASS differs" in out.stdout
+
+
 def test_sass_count_takes_the_page_size_and_a_forced_product_form():
     import subprocess
 
