@@ -18,8 +18,10 @@ rounds of the two sides' times within a round. The order matters because a GPU a
 H200's 700 W, reached by fp8 caches) lowers its clock while a replay runs: a fixed order hands the
 first side the coolest clock. The mean SM clock of each side's windows is reported beside it.
 
-Suites: targets and heldout (``scripts/bench_decode.py``'s), and ``random``: COUNT shapes drawn
-with SEED (G 1-16, D 64/128/256, P 1-64, B 1-256, L 100-64k, bf16 or fp8 cache, some ragged).
+Suites: targets and heldout (``scripts/bench_decode.py``'s), ``random``: COUNT shapes drawn
+with SEED (G 1-16, D 64/128/256, P 1-64, B 1-256, L 100-64k, bf16 or fp8 cache, some ragged), and
+``preset:NAME``: a ``tsdecode-tune`` preset's grid (e.g. ``preset:mistral-7b``, sliding-window
+shapes; ``preset:fp8``, bf16 queries over fp8 caches: the shipped table's classes).
 
 Usage: python scripts/ab_trees.py --other /path/to/old/tree --suites targets,heldout,random
        [--count 40 --seed 2] [--tuned-table DIR/NVIDIA_H200.json] [--csv out.csv]
@@ -46,7 +48,7 @@ import torch  # noqa: E402
 import bench_decode  # noqa: E402
 import tsdecode  # noqa: E402
 from tsdecode.config import tables  # noqa: E402
-from tuner.grids import ShapeSpec  # noqa: E402
+from tuner.grids import PRESETS, ShapeSpec  # noqa: E402
 from tuner.measure import (  # noqa: E402
     bytes_moved, copy_bandwidth_gbs, graph_time_us, make_inputs, num_copies, sm_clock_mhz,
 )
@@ -103,8 +105,11 @@ def suite_shapes(names: list[str], count: int, seed: int) -> list[tuple[str, Sha
             out += [("heldout", s) for s in bench_decode.heldout_suite()]
         elif name == "random":
             out += [("random", s) for s in random_shapes(count, seed)]
+        elif name.startswith("preset:") and name[len("preset:"):] in PRESETS:
+            out += [(name, s) for s in PRESETS[name[len("preset:"):]]]
         else:
-            raise SystemExit(f"unknown suite {name!r}: expected targets, heldout or random")
+            raise SystemExit(f"unknown suite {name!r}: expected targets, heldout, random or preset:NAME, NAME one of "
+                             f"{', '.join(PRESETS)}")
     return out
 
 

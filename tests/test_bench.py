@@ -107,6 +107,17 @@ def test_target_suites_are_what_the_tree_a_b_imports(bench_decode):
     assert sum(t.regime == "geometry base" for t in targets) == 1
 
 
+def test_tree_a_b_takes_a_tuner_presets_grid_as_a_suite():
+    """ab_trees.py --suites preset:NAME: the preset's shapes (sliding-window ones for mistral-7b)."""
+    import ab_trees
+
+    shapes = ab_trees.suite_shapes(["targets", "preset:mistral-7b"], 4, 0)
+    windowed = [s for name, s in shapes if name == "preset:mistral-7b"]
+    assert windowed == PRESETS["mistral-7b"] and all(s.window_left == 4095 for s in windowed)
+    with pytest.raises(SystemExit, match="preset:NAME, NAME one of smoke, llama3-8b"):
+        ab_trees.suite_shapes(["preset:nope"], 4, 0)
+
+
 @pytest.mark.parametrize("launch", [{"transposed": False}, {"transposed": True}, {"pdl": False}])
 def test_relaunch_passes_explicit_launch_arguments_and_keeps_the_output(bench_decode, launch):
     """An A/B's explicit launch arguments (product form, PDL) swap the plan's launcher and compute
