@@ -15,7 +15,7 @@ import torch
 from tsdecode import KernelConfig
 from tsdecode.kernels import decode, launch
 from cases import (DEVICE, FP8, Case, build, check, plan_wrapper, poisoned_out, reference, run_and_check,
-                   run_wrapper)
+                   run_oneshot, run_wrapper)
 
 KC = KernelConfig
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -430,6 +430,30 @@ def test_cache_slots_past_each_length_are_never_read(page_size, block_n):
     out = poisoned_out(case, inp)
     run_wrapper(plan_wrapper(case, inp), case, inp, out=out)
     check(case, out, reference(case, inp))
+
+
+@pytest.mark.parametrize("hkv,page_size", [(1, 16), (2, 1)], ids=["one-kv-head", "one-token-pages"])
+@pytest.mark.parametrize("via", ["wrapper", "oneshot"])
+def test_an_nhd_cache_whose_heads_or_tokens_are_one_passes_as_hnd(hkv, page_size, via):
+    """With one KV head (or one-token pages) an NHD cache [.., P, Hkv, D] holds the same bytes as
+    HND: its transposed view has an unusual stride only along a dim of size 1, which the kernels
+    never step along, so it is taken as it is."""
+    case = Case(num_qo_heads=4 * hkv, num_kv_heads=hkv, page_size=page_size, lens=(1, 37, 20),
+                config=KC(block_n=16, block_m=16, num_kv_splits=2) if via == "wrapper" else None)
+    inp = build(case)
+    ref = reference(case, inp)
+    nhd = torch.empty((inp.num_pages, 2, page_size, hkv, case.head_dim), dtype=inp.cache.dtype,
+                      device=inp.cache.device)
+    nhd.copy_(inp.cache.transpose(2, 3))
+    hnd_view = nhd.transpose(2, 3)  # NHD storage, seen as HND
+    assert hnd_view.stride() != inp.cache.contiguous().stride() and torch.equal(hnd_view, inp.cache)
+    inp = dataclasses.replace(inp, cache=hnd_view)
+    out = poisoned_out(case, inp)
+    if via == "oneshot":
+        run_oneshot(case, inp, out=out)
+    else:
+        run_wrapper(plan_wrapper(case, inp), case, inp, out=out)
+    check(case, out, ref)
 
 
 def test_config_reports_source_and_adjustments():

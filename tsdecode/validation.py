@@ -359,9 +359,12 @@ def cache_page_shape(paged_kv_cache: object) -> tuple[object, tuple[int, int, in
 
 
 def _check_page_strides(name: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+    """Pages hold [Hkv, P, D] compactly (a dim of size 1 may have any stride: the kernels never step
+    along it, e.g. an NHD cache of one KV head transposed to HND); pages may be padded apart."""
     _, hkv, p, d = shape
     expected = (hkv * p * d, p * d, d, 1)
-    if tuple(stride[1:]) != expected[1:] or (shape[0] > 1 and stride[0] < expected[0]):
+    inside = all(n == 1 or s == e for n, s, e in zip(shape[1:], stride[1:], expected[1:]))
+    if not inside or (shape[0] > 1 and stride[0] < expected[0]):
         raise ValueError(f"paged_kv_cache {name} needs compact HND strides inside a page (Hkv, P, D "
                          f"strides {expected[1:]}, page stride >= {expected[0]}), got {tuple(stride)}")
 
