@@ -9,6 +9,7 @@ CUDA graph capture: ``test_flashinfer_caller.py``).
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -176,6 +177,17 @@ def test_oneshot_error(inp, name):
         oneshot(inp, **_materialize(inp, kw))
 
 
+@pytest.mark.parametrize("out_shape", [(2, 8, 32), (1, 8, 64)])
+def test_oneshot_capture_form_checks_out_against_q(inp, out_shape, monkeypatch):
+    """The capturable one-shot (workspace_buffer, max_kv_len, out, validate=False) still checks
+    out's shape on the host, with no metadata read: an out of another shape was written past."""
+    monkeypatch.setattr(tsdecode.api, "_check_metadata_values", lambda *a: pytest.fail("metadata read"))
+    workspace = torch.empty(1 << 20, dtype=torch.uint8, device=inp.q.device)
+    out = torch.empty(out_shape, dtype=BF16, device=inp.q.device)
+    with pytest.raises(ValueError, match=re.escape(f"out must be q's shape = [2, 8, 64], got {list(out_shape)}")):
+        oneshot(inp, out=out, workspace_buffer=workspace, max_kv_len=64, validate=False)
+
+
 PLAN_ERRORS = {
     "device bool": (dict(device=True), TypeError, "device must be an int, str or torch.device"),
     "device not a device": (dict(device="tpu:x"), ValueError, "device"),
@@ -248,10 +260,22 @@ def test_wrapper_kv_layout(kv_layout, exc, pattern):
         tsdecode.BatchDecodePagedTSWrapper(kv_layout=kv_layout)
 
 
+UNVALIDATED_CHECKS = ("q dtype", "q shape", "cache dtype", "cache geometry", "out dtype", "out shape",
+                      "bmm1_scale inf")  # what run(validate=False) still checks: shapes, dtypes, scales
+
+
+@pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("what", ["q dtype", "q shape", "cache dtype", "cache geometry", "cache device",
                                   "page range", "out dtype", "out shape", "bmm1_scale inf"])
-def test_run_checks_against_plan(inp, what):
+def test_run_checks_against_plan(inp, what, validate, monkeypatch):
+    """A validated run checks q, the cache and out against the plan; an unvalidated one still
+    checks their shapes and dtypes on the host (a mismatch would read or write out of bounds), with
+    the same errors and without reading the metadata."""
+    if not validate and what not in UNVALIDATED_CHECKS:
+        pytest.skip("not checked without validation (devices, page IDs)")
     w = plan(seq_lens=[5, 40])
+    if not validate:
+        monkeypatch.setattr(tsdecode.api, "_check_metadata_values", lambda *a: pytest.fail("metadata read"))
     q, cache, out, kw = inp.q, inp.cache, None, {}
     exc = ValueError
     if what == "q dtype":
@@ -275,7 +299,7 @@ def test_run_checks_against_plan(inp, what):
     else:
         kw, pattern = dict(bmm1_scale=float("inf")), "bmm1_scale must be finite"
     with pytest.raises(exc, match=pattern):
-        w.run(q, cache, None, inp.block_tables, out=out, **kw)
+        w.run(q, cache, None, inp.block_tables, out=out, validate=validate, **kw)
 
 
 RUN_METADATA_ERRORS = {  # (plan kw, run change, exception, pattern)
@@ -297,9 +321,16 @@ RUN_METADATA_ERRORS = {  # (plan kw, run change, exception, pattern)
 }
 
 
+UNVALIDATED_METADATA_CHECKS = ("block_tables rows", "block_tables int64", "seq_lens int64", "seq_lens shape")
+
+
+@pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("name", list(RUN_METADATA_ERRORS))
-def test_run_checks_metadata(inp, name):
-    """A validated run checks the per-run metadata (run-owned lengths) against the plan."""
+def test_run_checks_metadata(inp, name, validate):
+    """A validated run checks the per-run metadata (run-owned lengths) against the plan; an
+    unvalidated one its tensors' shapes and dtypes."""
+    if not validate and name not in UNVALIDATED_METADATA_CHECKS:
+        pytest.skip("not checked without validation (values, strides, devices)")
     plan_kw, change, exc, pattern = RUN_METADATA_ERRORS[name]
     w = plan(**plan_kw)
     q, bt, sl = inp.q, inp.block_tables, inp.seq_lens
@@ -321,7 +352,7 @@ def test_run_checks_metadata(inp, name):
     for key, value in change.items():
         args[key] = made[(key, value)]()
     with pytest.raises(exc, match=pattern):
-        w.run(args["q"], inp.cache, args["seq_lens"], args["block_tables"])
+        w.run(args["q"], inp.cache, args["seq_lens"], args["block_tables"], validate=validate)
 
 
 @pytest.mark.parametrize("validate", [True, False])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -54,6 +55,45 @@ class _Plan:
     def q_shape(self, total_q: int) -> tuple[int, ...]:
         s = self.shape
         return V.query_shape(s.packed, s.batch_size, s.max_seq_len_q, total_q, s.num_qo_heads, s.head_dim)
+
+    def matches(self, q, paged_kv_cache, out, block_tables, seq_lens) -> bool:
+        """Host-only, cheap: do the tensors' shapes and dtypes fit this plan? (What an unvalidated
+        run checks: a tensor of another shape or dtype would be read or written out of bounds.) A
+        False only sends the run through the full tensor checks, which say what is wrong."""
+        s = self.shape
+        q_shape, q_row, combined_page, page, lens_shape = self._expected_shapes
+        try:
+            if q.dtype != s.q_dtype or q.stride(-1) != 1:
+                return False
+            if q_shape is not None:
+                if q.shape != q_shape:
+                    return False
+            elif q.dim() != 3 or q.shape[0] > self.query_capacity or q.shape[1:] != q_row:  # packed
+                return False
+            if out is not None and (out.shape != q.shape or out.dtype != s.o_dtype or out.stride(-1) != 1):
+                return False
+            if isinstance(paged_kv_cache, torch.Tensor):
+                if paged_kv_cache.dtype != s.kv_dtype or paged_kv_cache.shape[1:] != combined_page:
+                    return False
+            else:
+                k, v = paged_kv_cache
+                if k.dtype != s.kv_dtype or v.dtype != s.kv_dtype or k.shape[1:] != page or v.shape != k.shape:
+                    return False
+            if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != s.batch_size:
+                return False
+            return seq_lens.dtype == torch.int32 and seq_lens.shape == lens_shape
+        except (AttributeError, TypeError, ValueError):  # not tensors, or not a (K, V) pair
+            return False
+
+    @functools.cached_property
+    def _expected_shapes(self) -> tuple:
+        """(q's shape, None when packed; a packed q's [Hq, D]; a combined cache's [2, Hkv, P, D];
+        a page [Hkv, P, D]; the lengths' [B]) for ``matches``."""
+        s = self.shape
+        page = (s.num_kv_heads, s.page_size, s.head_dim)
+        q_shape = None if s.packed else torch.Size(self.q_shape(self.query_capacity))
+        return (q_shape, torch.Size((s.num_qo_heads, s.head_dim)), torch.Size((2, *page)), torch.Size(page),
+                torch.Size((s.batch_size,)))
 
 
 def on_device(device: torch.device):
@@ -263,8 +303,8 @@ class BatchDecodePagedTSWrapper:
         ``seq_lens`` is required iff the plan does not own the lengths (CUDA int32 [B]);
         ``block_tables`` int32 [B, C] with contiguous rows (row stride >= C), of which only each
         request's first ceil(len / P) entries are read; ``qo_indptr`` int32 [B+1] for a packed
-        plan. ``validate=False`` skips every check that needs the metadata's values or tensors'
-        layouts: no host sync, nothing allocated when ``out`` is given (CUDA-graph capturable).
+        plan. ``validate=False`` checks only the tensors' shapes and dtypes, on the host: no host
+        sync, nothing allocated when ``out`` is given (CUDA-graph capturable).
         Under ``torch.compile`` it is one opaque op (``torch.ops.tsdecode.run_planned``).
         """
         plan = self._plan
@@ -301,9 +341,11 @@ def _indptr_owner(plan: _Plan, qo_indptr) -> None:
 def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, bmm1_scale, bmm2_scale, out,
              validate: bool, values_checked: bool = False) -> torch.Tensor:
     """Validate (unless told not to) and launch. ``values_checked``: the metadata's values were
-    read and checked already (the one-shot op), so only tensor layouts are checked here."""
+    read and checked already (the one-shot op), so only tensor layouts are checked here. Unvalidated,
+    the tensors' shapes and dtypes are still matched against the plan on the host; where they do not
+    match, the tensor checks run (never the metadata read) and say what is wrong."""
     s = plan.shape
-    if validate:
+    if validate or not plan.matches(q, paged_kv_cache, out, block_tables, seq_lens):
         q = V.require_tensor("q", q)
         kv, page_shape, kv_dtype, kv_device, cache_tensors = V.cache_page_shape(paged_kv_cache)
         V.validate_cache_against_plan(page_shape, kv_dtype, kv_device, s.num_kv_heads, s.page_size,
@@ -321,15 +363,15 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
                                 "as planned by q_data_type, whose default is torch.float16")
         if s.packed and total_q > plan.query_capacity:
             raise ValueError(f"q holds {total_q} query tokens, more than B*max_seq_len_q = {plan.query_capacity}")
-        bmm1, bmm2 = V.validate_scales(bmm1_scale, bmm2_scale, s.head_dim)
-        if not values_checked:
-            _check_metadata_values(plan, block_tables, seq_lens, qo_indptr, page_shape[0], total_q)
         if out is not None:
             out = V.validate_io_tensor("out", out, tuple(q.shape), "q's shape", s.o_dtype, plan.device,
                                       "as planned by o_data_type, whose default is q_data_type")
             inputs = (("q", q), *cache_tensors, ("block_tables", block_tables), ("seq_lens", seq_lens),
                       ("workspace_buffer", plan.workspace))
             V.validate_out(out, inputs + ((("qo_indptr", qo_indptr),) if qo_indptr is not None else ()))
+        bmm1, bmm2 = V.validate_scales(bmm1_scale, bmm2_scale, s.head_dim)
+        if validate and not values_checked:
+            _check_metadata_values(plan, block_tables, seq_lens, qo_indptr, page_shape[0], total_q)
     else:
         kv = paged_kv_cache
         bmm1, bmm2 = V.validate_scales(bmm1_scale, bmm2_scale, s.head_dim)
