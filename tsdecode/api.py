@@ -82,7 +82,7 @@ class _Plan:
             if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != s.batch_size:
                 return False
             return seq_lens.dtype == torch.int32 and seq_lens.shape == lens_shape
-        except (AttributeError, TypeError, ValueError):  # not tensors, or not a (K, V) pair
+        except (AttributeError, IndexError, TypeError, ValueError):  # not tensors, 0-d ones, or not a (K, V) pair
             return False
 
     @functools.cached_property
