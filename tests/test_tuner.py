@@ -101,6 +101,24 @@ def slow_compile_hook(stage, spec, config, out=None):
         time.sleep(60)
 
 
+def _fitted_default(spec):
+    shape = spec.to_problem_shape()
+    return fit_config(heuristic_config(shape, device_properties("cpu")), shape)[0]
+
+
+def interrupt_the_default_hook(stage, spec, config, out=None):
+    """Ctrl-C while the heuristic default is measured (inline: in the run's own process)."""
+    if stage == "plan" and config == _fitted_default(spec):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(60)
+
+
+def slower_default_hook(stage, spec, config, out=None):
+    """Every config times 200 us, the heuristic default 300 us."""
+    if stage == "time":
+        return 300.0 if config == _fitted_default(spec) else 200.0
+
+
 # ---- helpers --------------------------------------------------------------------------------
 
 
@@ -749,6 +767,80 @@ def test_time_budget_stops_the_search_and_drops_slow_compiles(tmp_path):
     assert skipped and all(t.state.name == "FAIL" for t in skipped)
     (final,) = _records(out, "final")
     assert final["ok"] and final["kept_default"]
+
+
+@cpu_only
+def test_a_time_budget_used_up_on_a_grid_with_duplicates_of_the_default_still_finishes(tmp_path):
+    """At L=40 the grid's splits 2 and 3 at block_n 64 fit down to the default's 1: out of time,
+    those queued duplicates are dropped with the rest of the queue (keeping them for the default's
+    measurement left the grid's queue never empty: the run and every rerun waited forever)."""
+    out = tmp_path / "grid"
+    args = [*TINY, "--block-n", "16,64", "--block-m", "16", "--num-warps", "4", "--num-stages", "2", "--trials", "6",
+            "--time-budget", "1", "--out", str(out), "--isolation", "inline", *FAST]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TRITON_INTERPRET": "1"}
+    for run in ("run", "rerun"):  # in a process of its own under a deadline: a hang fails, not hangs
+        try:
+            r = subprocess.run([sys.executable, "-m", "tuner", *args], cwd=REPO, env=env, capture_output=True,
+                               text=True, timeout=120)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the {run} did not finish: {(e.stderr or b'')[-2000:]!r}")
+        assert r.returncode == 0, r.stderr[-4000:]
+    assert "already tuned" in r.stderr
+    (s,) = _studies(out)
+    default_key = space.config_text(_fitted_default(ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)))
+    dropped = [t for t in s.trials if t.user_attrs["key"] == default_key and not t.user_attrs.get("measured")]
+    assert dropped and all(t.state.name == "FAIL" and t.user_attrs["skipped"] for t in dropped)
+    assert not s.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    (final,) = _records(out, "final")
+    assert final["ok"] and final["measured"] == 1 and final["kept_default"]
+
+
+@cpu_only
+def test_a_default_interrupted_mid_measurement_is_measured_first_by_the_rerun(tmp_path):
+    """Ctrl-C while a bucket's default is measured queues it again behind the seeds: the rerun
+    measures it first all the same (not after --trials seeds, i.e. never), and the winner is
+    re-timed against it, as in a run never interrupted."""
+    out = tmp_path / "again"
+    # --num-kv-splits 1: no seed but the default fits to the default (L=40 is one tile of 64).
+    args = [*TINY, "--trials", "2", "--num-kv-splits", "1", "--out", str(out), "--isolation", "inline", *FAST]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-m", "tuner", *args, "--inject-hook", f"{HOOKS}:interrupt_the_default_hook"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130 and "interrupted" in r.stderr, r.stderr[-4000:]
+    (s,) = _studies(out)
+    assert s.trials[0].state.name == "RUNNING" and not _records(out)  # its worker is gone: the rerun retries it
+    assert main([*args, "--inject-hook", f"{HOOKS}:slower_default_hook"]) == 0
+    measured = [r for r in _records(out) if r["measured"]]
+    assert [r["is_default"] for r in measured] == [True, False]
+    (final,) = _records(out, "final")
+    assert (final["default_time_us"], final["time_us"]) == pytest.approx((300.0, 200.0)) and not final["kept_default"]
+    assert "not measured" not in final["note"]
+    (entries,) = tables.load_table(study.OutputPaths.for_device(CPU.name, out).table).entries.values()
+    (entry,) = entries.values()
+    assert entry.default_time_us / entry.time_us == pytest.approx(1.5)
+    _check_log_matches_storage(out)
+
+
+def test_a_bucket_is_not_complete_while_its_default_waits_in_the_queue(tmp_path):
+    """Another worker can fill the budget before a dead worker's default is queued again: the
+    bucket then waits for the default's measurement instead of being finalised without it."""
+    tuner = _bare_tuner(tmp_path)
+    tuner.s = tuner_buckets.TuneSettings(trials=1)
+    try:
+        s = optuna.create_study(storage=tuner.storage, study_name="s")
+        s.set_user_attr("seeded", 2)
+        dists = {k: optuna.distributions.CategoricalDistribution([v]) for k, v in KernelConfig().to_dict().items()}
+        other = s.ask(dists)
+        for k, v in {"key": "other", "measured": True}.items():
+            other.set_user_attr(k, v)
+        s.tell(other, 10.0)  # the budget of 1 measured config is used up
+        s.enqueue_trial(KernelConfig().to_dict(), user_attrs={"key": "default", "retry_of": 0})
+        assert not tuner._complete(s, False, "default")
+        assert tuner._complete(s, False, "other")  # its default measured: complete
+    finally:
+        tuner.close()
 
 
 # ---- command line ---------------------------------------------------------------------------

@@ -27,7 +27,8 @@ valid final; the last one stays.
 Crash safety: finished trials are logged (``tuner.study.ResultLog``) before they are told to the
 study; a RUNNING trial whose worker died (a dead process of this host, or an RDB heartbeat older
 than the grace period) is completed from the log when it has the result, else failed and queued
-again; a bucket whose final record is in the log is not tuned again.
+again (the default's before any other queued trial, and its bucket is not finalised until it is
+measured); a bucket whose final record is in the log is not tuned again.
 """
 
 from __future__ import annotations
@@ -468,7 +469,7 @@ class Tuner:
         except CandidateFailed as e:  # the inputs could not be prepared
             self.echo(f"  cannot prepare inputs: {e.reason}")
             return BucketResult(bucket, name, False, default=default, note=e.reason)
-        if not self._complete(study, use_grid):
+        if not self._complete(study, use_grid, default_key):
             return BucketResult(bucket, name, False, default=default, pending=True)
         final = final_of(study.user_attrs, s.trials)
         if final and final != earlier:  # another worker finalised it meanwhile
@@ -563,13 +564,16 @@ class Tuner:
                 cache[ua["key"]] = _outcome(t)
         return cache
 
-    def _complete(self, study: optuna.Study, use_grid: bool) -> bool:
+    def _complete(self, study: optuna.Study, use_grid: bool, default_key: str) -> bool:
         """Every trial finished and nothing more to search: the grid's queue is empty, the
         budget of measured configs is reached, or a worker closed the search (time share,
-        endless duplicates)."""
+        endless duplicates); and the default measured (its trial queued again after an
+        interrupt waits behind the seeds, but the winner is timed against it)."""
         trials = study.get_trials(deepcopy=False)
         # A TPE study's queue may hold seeds past the budget: they wait for a larger --trials.
         if any(t.state == TrialState.RUNNING or (use_grid and t.state == TrialState.WAITING) for t in trials):
+            return False
+        if not self._default_started(trials, default_key):
             return False
         ua = study.user_attrs
         if "seeded" not in ua:
@@ -591,15 +595,18 @@ class Tuner:
 
     # -- the search ---------------------------------------------------------------------------
 
-    def _take(self, study: optuna.Study, dists, use_grid: bool) -> optuna.Trial | None:
-        """The next trial for this worker: a queued one, else (TPE) a new sample; None when a
-        grid's queue is empty."""
+    def _take(self, study: optuna.Study, dists, use_grid: bool, default_key: str) -> optuna.Trial | None:
+        """The next trial for this worker: the default's if it is queued (one queued again after
+        an interrupt waits behind the seeds, which may use up the budget), else a queued one,
+        else (TPE) a new sample; None when a grid's queue is empty."""
         with queue_lock(self.storage_url):
-            if not use_grid:
+            leader = _leader(study.get_trials(deepcopy=False), default_key)
+            first = leader.number if leader is not None and leader.state == TrialState.WAITING else None
+            trial_id = pop_waiting(study, first) if use_grid or first is not None else None
+            if trial_id is None and not use_grid:
                 trial = study.ask(dists)  # takes a queued trial first
                 self.beats.add(trial._trial_id)
                 return trial
-            trial_id = pop_waiting(study)
         if trial_id is None:
             return None
         self.beats.add(trial_id)
@@ -636,7 +643,9 @@ class Tuner:
                     self._close(study, TIME_BUDGET_USED_UP)
                     self._drop_queue(study, default_key)
                 while asking and len(pending) < max(1, s.lookahead):
-                    if not use_grid:  # the budget: configs measured or being measured, by any worker
+                    # The budget: configs measured or being measured, by any worker; the default is
+                    # measured whatever it says (taken first, also when queued again).
+                    if not use_grid and self._default_started(trials, default_key):
                         claimed = {t.user_attrs.get("key") for t in trials if t.user_attrs.get("key") and (
                             t.state == TrialState.RUNNING or (t.state.is_finished() and t.user_attrs.get("measured")))}
                         told = sum(1 for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
@@ -647,7 +656,7 @@ class Tuner:
                             asking = False
                             self._close(study, "too many duplicates after fitting")
                             break
-                    trial = self._take(study, dists, use_grid)
+                    trial = self._take(study, dists, use_grid, default_key)
                     if trial is None:
                         asking = False
                         break
@@ -736,11 +745,14 @@ class Tuner:
             study.set_user_attr("closed", why)
 
     def _drop_queue(self, study: optuna.Study, default_key: str) -> None:
-        """Out of time: fail the study's queued trials (the default's excepted), so that the
-        bucket can finish."""
+        """Out of time: fail the study's queued trials (the one that measures the default
+        excepted, not its duplicates: nobody takes those, and a grid would wait for them
+        forever), so that the bucket can finish."""
         with queue_lock(self.storage_url):
-            for t in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
-                if t.user_attrs.get("key") == default_key:
+            trials = study.get_trials(deepcopy=False)
+            leader = _leader(trials, default_key)
+            for t in trials:
+                if t.state != TrialState.WAITING or (leader is not None and t.number == leader.number):
                     continue
                 try:
                     if study._storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):

@@ -335,14 +335,16 @@ def stamp_alive(stamp: dict[str, Any]) -> bool | None:
     return True
 
 
-def pop_waiting(study: optuna.Study) -> int | None:
+def pop_waiting(study: optuna.Study, first: int | None = None) -> int | None:
     """Atomically take a WAITING (queued) trial of ``study`` for this process: its id, now
-    RUNNING, or None when none is waiting. Unlike ``study.ask()`` it never creates a trial.
-    (On SQLite, hold ``queue_lock`` around it.)"""
+    RUNNING, or None when none is waiting; trial number ``first`` before the others, if it is
+    waiting. Unlike ``study.ask()`` it never creates a trial. (On SQLite, hold ``queue_lock``
+    around it.)"""
     from optuna.trial import TrialState
 
     storage = study._storage
-    for t in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,)):
+    waiting = storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.WAITING,))
+    for t in sorted(waiting, key=lambda t: t.number != first):  # stable: queue order otherwise
         try:
             if storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
                 return t._trial_id
