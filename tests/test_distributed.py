@@ -19,6 +19,7 @@ there are none (never in CI).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import io
 import json
@@ -363,6 +364,29 @@ def test_a_worker_with_another_kernel_is_refused(tmp_path):
         J.pin(storage, "j", J.Identity(cpu, "bbbb", "3.x", "2.x", None))
     assert J.pinned(storage, "j") == mine  # the refused worker left no pin behind
     assert len([s for s in storage.get_all_studies() if s.study_name.startswith(J.PIN_PREFIX)]) == 1
+
+
+@pytest.mark.parametrize("devices", [[], ["--devices", "cpu:2"]], ids=["one", "devices"])
+def test_a_job_for_gpus_refuses_a_cpu_worker_and_stays_unpinned(tmp_path, devices):
+    """``create`` without --for makes a GPU job: a worker without a GPU (Triton's interpreter) is
+    refused with one line, measures nothing and leaves the job unpinned for the GPU workers."""
+    url = str(tmp_path / "s.journal")
+    r = _tune(["create", "--storage", url, "--job", "gpu-job", *GRID, "--trials", "1"])
+    assert r.returncode == 0, r.stderr
+    r = _tune(["worker", "--storage", url, "--job", "gpu-job", *devices, "--isolation", "inline", "--no-progress",
+               "--out", str(tmp_path / "w"), "--inject-hook", HOOK])
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr == ("tsdecode-tune: error: job 'gpu-job' is for GPU workers (--for gpu); this worker has no GPU "
+                        "(Triton's interpreter): refusing to join (its timings would pin the job to the CPU; run it "
+                        "on a GPU host, or create a job with --for cpu)\n")
+    storage = study.open_storage(url)
+    assert J.pinned(storage, "gpu-job") is None and not _bucket_studies(storage)
+    job = J.load_job(storage, "gpu-job")
+    J.check_kind(job, interpreter=False)  # a GPU worker joins it
+    with pytest.raises(J.JobError, match=r"job 'gpu-job' is for CPU workers \(--for cpu\); this worker runs on a "
+                                         r"GPU: refusing to join"):  # and a GPU worker a CPU job: not
+        J.check_kind(dataclasses.replace(job, interpreter=True), interpreter=False)
 
 
 @pytest.mark.parametrize("command", ["worker", "export"])

@@ -585,6 +585,7 @@ def run_worker(args, device: str) -> int:
                        "--out" if args.out else "the user cache folder")
     slots = parse_devices(args.devices) if args.devices else None
     cpu = device == "cpu"
+    J.check_kind(job, cpu)  # before anything is measured or pinned
     if slots is not None and len(slots) > 1:
         codes = _supervise(args, slots, _open(args.storage, job.heartbeat), args.storage, job, work_dir,
                            _compile_workers(args, len(slots), cpu))
