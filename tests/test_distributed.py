@@ -3,8 +3,10 @@
 Two and four workers sharing a journal file, SQLite or a real PostgreSQL server finish the smoke
 grid with every grid point recorded once, every fitted config measured once, and the winners of
 one worker; a worker that dies (SIGKILL, mid-trial) is reported and its trial queued again, on
-one host (the supervisor notices) and across "hosts" (Optuna's heartbeats notice); a worker of
-another GPU model is refused; ``worker`` / ``export`` errors are one line with exit code 2.
+one host (the supervisor notices) and across "hosts" (Optuna's heartbeats notice); a supervisor
+killed outright leaves no worker or measuring process behind; a worker of another GPU model, or
+without a GPU on a job for GPUs, is refused; ``worker`` / ``export`` errors are one line with exit
+code 2.
 
 Timings in the interpreter mean nothing, so the runs that compare winners take a deterministic
 time from the measurement hook (``fake_time``): the search is then a function of the grid alone.
@@ -212,6 +214,83 @@ def test_a_worker_that_dies_is_reported_its_trial_retried_and_the_run_goes_on(on
     (retry,) = [t for s in _bucket_studies(storage) for t in s.trials if t.user_attrs.get("retry_of") == failed.number
                 and t.user_attrs["key"] == failed.user_attrs["key"]]
     assert retry.state.name == "COMPLETE" and retry.params == failed.params
+
+
+def _children() -> dict[int, list[int]]:
+    """Each process's children, from /proc."""
+    found: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:  # gone meanwhile
+            continue
+        found.setdefault(int(text[text.rindex(")") + 2:].split()[1]), []).append(int(text[:text.index(" ")]))
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    children, found, todo = _children(), set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pids) -> set[int]:
+    """Those of ``pids`` still running (a zombie has ended)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            alive.add(pid)
+    return alive
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process tree from /proc")
+def test_workers_and_their_measuring_processes_end_when_the_supervisor_is_killed(tmp_path):
+    """kill -9 of a --devices run's process: its workers (and their measuring processes) end too,
+    instead of timing on beside the workers of the next run."""
+    marker = tmp_path / "marker"
+    log = open(tmp_path / "run.log", "w")
+    run = subprocess.Popen([sys.executable, "-m", "tuner", *GRID, "--no-progress", "--retime-rounds", "1", "--out",
+                            str(tmp_path / "out"), "--inject-hook", HOOK, "--devices", "cpu:2"], cwd=REPO,
+                           env=_env(**{MODE_ENV: "hang", MARKER_ENV: str(marker)}), stdout=subprocess.DEVNULL,
+                           stderr=log)
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():  # a worker's measuring process hangs in its first candidate
+            assert time.monotonic() < deadline and run.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.2)
+        started = _descendants(run.pid)
+        hanging = int(marker.read_text())
+        workers = {pid for pid in started if b"\0worker\0" in _cmdline(pid)}
+        assert len(workers) == 2 and hanging in started, (started, workers, hanging)
+        run.kill()
+        run.wait()
+        deadline = time.monotonic() + 30
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(started), f"outlived the killed run: {sorted(_alive(started))} of {sorted(started)}"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        for pid in _alive(started | _descendants(run.pid)):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
 
 
 # ---- PostgreSQL ---------------------------------------------------------------------------------

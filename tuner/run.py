@@ -570,9 +570,11 @@ def run_worker(args, device: str) -> int:
     from . import job as J
     from . import runner, search
     from .buckets import TuneSettings
-    from .devices import parse_devices
+    from .devices import parse_devices, stop_with_supervisor
     from .study import OutputPaths
 
+    if args.supervisor is not None:  # a --devices run's worker: it ends with that run
+        stop_with_supervisor(args.supervisor)
     if args.devices and args.device:
         raise UsageError(f"{PROG}: error: --device and --devices: give one of them")
     _quiet_optuna()
