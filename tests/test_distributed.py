@@ -3,8 +3,10 @@
 Two and four workers sharing a journal file, SQLite or a real PostgreSQL server finish the smoke
 grid with every grid point recorded once, every fitted config measured once, and the winners of
 one worker; a worker that dies (SIGKILL, mid-trial) is reported and its trial queued again, on
-one host (the supervisor notices) and across "hosts" (Optuna's heartbeats notice); a worker of
-another GPU model is refused; ``worker`` / ``export`` errors are one line with exit code 2.
+one host (the supervisor notices) and across "hosts" (Optuna's heartbeats notice); a supervisor
+killed outright leaves no worker or measuring process behind; a worker of another GPU model, or
+without a GPU on a job for GPUs, is refused; ``worker`` / ``export`` errors are one line with exit
+code 2.
 
 Timings in the interpreter mean nothing, so the runs that compare winners take a deterministic
 time from the measurement hook (``fake_time``): the search is then a function of the grid alone.
@@ -19,6 +21,7 @@ there are none (never in CI).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import io
 import json
@@ -213,6 +216,83 @@ def test_a_worker_that_dies_is_reported_its_trial_retried_and_the_run_goes_on(on
     assert retry.state.name == "COMPLETE" and retry.params == failed.params
 
 
+def _children() -> dict[int, list[int]]:
+    """Each process's children, from /proc."""
+    found: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:  # gone meanwhile
+            continue
+        found.setdefault(int(text[text.rindex(")") + 2:].split()[1]), []).append(int(text[:text.index(" ")]))
+    return found
+
+
+def _descendants(pid: int) -> set[int]:
+    children, found, todo = _children(), set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pids) -> set[int]:
+    """Those of ``pids`` still running (a zombie has ended)."""
+    alive = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            alive.add(pid)
+    return alive
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process tree from /proc")
+def test_workers_and_their_measuring_processes_end_when_the_supervisor_is_killed(tmp_path):
+    """kill -9 of a --devices run's process: its workers (and their measuring processes) end too,
+    instead of timing on beside the workers of the next run."""
+    marker = tmp_path / "marker"
+    log = open(tmp_path / "run.log", "w")
+    run = subprocess.Popen([sys.executable, "-m", "tuner", *GRID, "--no-progress", "--retime-rounds", "1", "--out",
+                            str(tmp_path / "out"), "--inject-hook", HOOK, "--devices", "cpu:2"], cwd=REPO,
+                           env=_env(**{MODE_ENV: "hang", MARKER_ENV: str(marker)}), stdout=subprocess.DEVNULL,
+                           stderr=log)
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():  # a worker's measuring process hangs in its first candidate
+            assert time.monotonic() < deadline and run.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.2)
+        started = _descendants(run.pid)
+        hanging = int(marker.read_text())
+        workers = {pid for pid in started if b"\0worker\0" in _cmdline(pid)}
+        assert len(workers) == 2 and hanging in started, (started, workers, hanging)
+        run.kill()
+        run.wait()
+        deadline = time.monotonic() + 30
+        while _alive(started) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(started), f"outlived the killed run: {sorted(_alive(started))} of {sorted(started)}"
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+        for pid in _alive(started | _descendants(run.pid)):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        log.close()
+
+
 # ---- PostgreSQL ---------------------------------------------------------------------------------
 
 
@@ -363,6 +443,29 @@ def test_a_worker_with_another_kernel_is_refused(tmp_path):
         J.pin(storage, "j", J.Identity(cpu, "bbbb", "3.x", "2.x", None))
     assert J.pinned(storage, "j") == mine  # the refused worker left no pin behind
     assert len([s for s in storage.get_all_studies() if s.study_name.startswith(J.PIN_PREFIX)]) == 1
+
+
+@pytest.mark.parametrize("devices", [[], ["--devices", "cpu:2"]], ids=["one", "devices"])
+def test_a_job_for_gpus_refuses_a_cpu_worker_and_stays_unpinned(tmp_path, devices):
+    """``create`` without --for makes a GPU job: a worker without a GPU (Triton's interpreter) is
+    refused with one line, measures nothing and leaves the job unpinned for the GPU workers."""
+    url = str(tmp_path / "s.journal")
+    r = _tune(["create", "--storage", url, "--job", "gpu-job", *GRID, "--trials", "1"])
+    assert r.returncode == 0, r.stderr
+    r = _tune(["worker", "--storage", url, "--job", "gpu-job", *devices, "--isolation", "inline", "--no-progress",
+               "--out", str(tmp_path / "w"), "--inject-hook", HOOK])
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr == ("tsdecode-tune: error: job 'gpu-job' is for GPU workers (--for gpu); this worker has no GPU "
+                        "(Triton's interpreter): refusing to join (its timings would pin the job to the CPU; run it "
+                        "on a GPU host, or create a job with --for cpu)\n")
+    storage = study.open_storage(url)
+    assert J.pinned(storage, "gpu-job") is None and not _bucket_studies(storage)
+    job = J.load_job(storage, "gpu-job")
+    J.check_kind(job, interpreter=False)  # a GPU worker joins it
+    with pytest.raises(J.JobError, match=r"job 'gpu-job' is for CPU workers \(--for cpu\); this worker runs on a "
+                                         r"GPU: refusing to join"):  # and a GPU worker a CPU job: not
+        J.check_kind(dataclasses.replace(job, interpreter=True), interpreter=False)
 
 
 @pytest.mark.parametrize("command", ["worker", "export"])

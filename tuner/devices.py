@@ -8,7 +8,8 @@ process pinned to its GPU with CUDA_VISIBLE_DEVICES; it has its own measuring pr
 compile pool. The supervisor restarts a worker that dies (its trials are failed and queued again
 at once: the supervisor knows the process is gone), refuses nothing itself (a worker of another
 GPU model exits with status 2 and the message, and is not restarted), and prints one progress
-line for the whole job.
+line for the whole job. A worker ends with its supervisor (``stop_with_supervisor``): killed
+outright, the supervisor leaves no worker timing on beside the workers of the next run.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ MAX_COMPILE_WORKERS = 8
 # CPUs kept free: for the supervisor and, per worker, its own process and its measuring process.
 RESERVED_CPUS, CPUS_PER_WORKER = 2, 2
 PROGRESS_EVERY_S = 10.0
+# A worker whose supervisor died stops as on SIGTERM; one still running this much later is ended.
+ORPHAN_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -123,8 +127,35 @@ def worker_command(slot: Slot, *, storage: str, job: str, work_dir: Path, compil
     """The ``tsdecode-tune worker`` command of one slot (its environment pins the device)."""
     cmd = [sys.executable, "-m", "tuner", "worker", "--storage", storage, "--job", job, "--device", slot.device,
            "--label", slot.label, "--compile-workers", str(compile_workers), "--out", str(work_dir),
-           "--isolation", isolation, "--no-progress"]
+           "--isolation", isolation, "--no-progress", "--supervisor", str(os.getpid())]
     return cmd + (["--inject-hook", hook] if hook else [])
+
+
+def stop_with_supervisor(pid: int) -> None:
+    """In a worker that the supervisor ``pid`` started (``worker --supervisor PID``): when the
+    supervisor dies, however it dies (kill -9 included), stop as on SIGTERM (its measuring and
+    compile processes end with it), so that no orphaned worker goes on timing on the device beside
+    the workers of the next run. On Linux the kernel sends the SIGTERM at once (prctl
+    PR_SET_PDEATHSIG; the supervisor starts its workers from the thread that runs it); on every
+    system a thread checks the parent each second, sends it too, and ends the process
+    ORPHAN_GRACE_S later if it is still there. A worker started by hand has no supervisor and
+    neither of them."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):  # the thread does it, a second later
+            pass
+
+    def watch() -> None:
+        while os.getppid() == pid:  # checked first: the supervisor may have died before this process started
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_S)
+        os._exit(130)
+
+    threading.Thread(target=watch, name="stop-with-supervisor", daemon=True).start()
 
 
 class Supervisor:

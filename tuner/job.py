@@ -10,7 +10,8 @@ bucket (``study|<bucket key>`` attributes, written by the workers) for ``export`
 The first worker to join pins the job to its GPU model and kernel hash: it creates a study named
 ``tsdecode-pin:<job>|<model>|<kernel hash>``; of such studies the oldest (smallest study id) is
 the pin, so two workers joining at once agree without a lock. A worker whose model or kernel
-hash differs is refused (``JobError`` naming both).
+hash differs is refused (``JobError`` naming both), and so, before it pins anything, is a worker
+of the other kind (``check_kind``: a GPU job's worker in Triton's interpreter, or the reverse).
 
 ``export`` writes the table from the buckets' final results, with the provenance of the worker
 that pinned the job (device, triton, torch, kernel hash, copy bandwidth); run it any time for a
@@ -203,6 +204,21 @@ def _pins(storage, job: str) -> list[tuple[int, str, str]]:
             model, _, kernel = s.study_name[len(prefix):].rpartition("|")
             pins.append((s._study_id, model, kernel))
     return sorted(pins)
+
+
+def check_kind(job: Job, interpreter: bool) -> None:
+    """JobError unless a worker in Triton's interpreter (``interpreter``) or on a GPU is of the
+    kind the job is for (``create --for``; a ``tune`` run's device): a worker of the other kind
+    would pin the job to its device and refuse every worker of the job's kind."""
+    if interpreter == job.interpreter:
+        return
+    if job.interpreter:
+        raise JobError(f"job {job.name!r} is for CPU workers (--for cpu); this worker runs on a GPU: refusing to "
+                       "join (GPU timings would pin the job to the GPU; join with --devices cpu:N, or create a "
+                       "job for GPUs)")
+    raise JobError(f"job {job.name!r} is for GPU workers (--for gpu); this worker has no GPU (Triton's "
+                   "interpreter): refusing to join (its timings would pin the job to the CPU; run it on a GPU "
+                   "host, or create a job with --for cpu)")
 
 
 def pin(storage, job: str, identity: Identity) -> Identity:

@@ -124,6 +124,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars/lines")
     p.add_argument("--device", default=None, help=argparse.SUPPRESS)  # a supervisor's worker: its device
     p.add_argument("--label", default=None, help=argparse.SUPPRESS)  # ... and its name in messages
+    p.add_argument("--supervisor", type=int, default=None, help=argparse.SUPPRESS)  # ... and the PID it ends with
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:

@@ -570,9 +570,11 @@ def run_worker(args, device: str) -> int:
     from . import job as J
     from . import runner, search
     from .buckets import TuneSettings
-    from .devices import parse_devices
+    from .devices import parse_devices, stop_with_supervisor
     from .study import OutputPaths
 
+    if args.supervisor is not None:  # a --devices run's worker: it ends with that run
+        stop_with_supervisor(args.supervisor)
     if args.devices and args.device:
         raise UsageError(f"{PROG}: error: --device and --devices: give one of them")
     _quiet_optuna()
@@ -585,6 +587,7 @@ def run_worker(args, device: str) -> int:
                        "--out" if args.out else "the user cache folder")
     slots = parse_devices(args.devices) if args.devices else None
     cpu = device == "cpu"
+    J.check_kind(job, cpu)  # before anything is measured or pinned
     if slots is not None and len(slots) > 1:
         codes = _supervise(args, slots, _open(args.storage, job.heartbeat), args.storage, job, work_dir,
                            _compile_workers(args, len(slots), cpu))

@@ -345,19 +345,19 @@ class WorkerOptions:
         return Measurer(self.device, hook=self.hook, check_requests=self.check_requests, replay_ms=self.replay_ms)
 
 
-def exit_with_parent() -> None:
-    """End this process (at once) when its parent dies: a thread polls the parent's PID. Used by
-    the measuring process (which only notices a dead parent between requests) and the compile
-    processes (which never do)."""
+def exit_with_parent(parent: int | None = None) -> None:
+    """End this process (within a second) when its parent dies: a thread polls the parent's PID.
+    Used by the measuring process (which only notices a dead parent between requests) and the
+    compile processes (which never do). ``parent``: the PID of the process that started this one
+    (passed, so that a parent that died while this one was starting is noticed too)."""
     import threading
 
-    parent = os.getppid()
+    parent = os.getppid() if parent is None else parent
 
     def watch() -> None:
-        while True:
+        while os.getppid() == parent:
             time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(0)
+        os._exit(0)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
@@ -371,12 +371,13 @@ def _reply(conn, reply: dict[str, Any]) -> None:
         os._exit(0)
 
 
-def _worker_main(conn, options: WorkerOptions) -> None:
+def _worker_main(conn, options: WorkerOptions, parent: int | None = None) -> None:
     """Worker loop: requests {"op", "args"} -> replies {"ok", "result"} or {"ok": False,
-    "reason", "fatal"}. Exits on EOF (the parent died), on "stop" and after a fatal error. Ctrl-C
-    in the terminal is the parent's to handle: it stops this process."""
+    "reason", "fatal"}. Exits on EOF (the parent died), on "stop" and after a fatal error, and
+    when its parent (PID ``parent``) dies mid-request. Ctrl-C in the terminal is the parent's to
+    handle: it stops this process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    exit_with_parent()
+    exit_with_parent(parent)
     try:
         measurer = options.measurer()
     except BaseException as e:  # report why startup failed, then exit
@@ -464,7 +465,7 @@ class WorkerClient:
                     f"the measuring process failed {self._consecutive} times in a row without "
                     "finishing a request; stopping (trials so far are saved; rerun to resume)")
             parent, child = self.ctx.Pipe()
-            self.proc = self.ctx.Process(target=_worker_main, args=(child, self.options),
+            self.proc = self.ctx.Process(target=_worker_main, args=(child, self.options, os.getpid()),
                                          name="tsdecode-tune-worker", daemon=True)
             self.proc.start()
             child.close()
@@ -562,9 +563,9 @@ def compile_candidate(specs: Sequence[ShapeSpec], config: KernelConfig, device: 
     return {"ok": True, "reason": None, "seconds": time.perf_counter() - t0}
 
 
-def _compile_init(device: str) -> None:
+def _compile_init(device: str, parent: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it ends the pool
-    exit_with_parent()
+    exit_with_parent(parent)
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
@@ -587,7 +588,7 @@ class CompilePool:
     def _ensure(self) -> ProcessPoolExecutor:
         if self.pool is None:
             self.pool = ProcessPoolExecutor(self.workers, mp_context=self.ctx, initializer=_compile_init,
-                                            initargs=(self.device,))
+                                            initargs=(self.device, os.getpid()))
         return self.pool
 
     def submit(self, specs: Sequence[ShapeSpec], config: KernelConfig) -> Future:
