@@ -773,6 +773,19 @@ def test_time_budget_stops_the_search_and_drops_slow_compiles(tmp_path):
     ([*TINY, "--kv-dtypes", "fp8"], "--kv-dtypes: unknown dtype(s) ['fp8']"),
     ([*TINY, "--heads", "4:3"], "--heads: 4:3: HQ must be a multiple of HKV"),
     ([*TINY, "--config-dir", "x"], "--config-dir is a flag of explain, not of tune"),
+    # finite but too large for the run's waits and arithmetic (NaN heartbeats, a poll's overflow)
+    (["--trial-timeout", "1e308"], "--trial-timeout: expected a number <= 604800 (a week), got '1e308'"),
+    (["--trial-timeout", "1e200"], "--trial-timeout: expected a number <= 604800 (a week), got '1e200'"),
+    (["--heartbeat-grace", "1e300"], "--heartbeat-grace: expected a number <= 604800 (a week), got '1e300'"),
+    (["--time-budget", "1e300"], "--time-budget: expected a number <= 31536000 (a year), got '1e300'"),
+    (["--replay-ms", "1e308"], "--replay-ms: expected a number <= 60000 (a minute), got '1e308'"),
+    (["--trials", "9" * 400], "--trials: expected an integer <= 9223372036854775807, got '999"),
+    (["--top-k", "9" * 400], "--top-k: expected an integer <= 9223372036854775807, got '999"),
+    (["--compile-workers", "100000"], "--compile-workers: expected an integer <= 256, got '100000'"),
+    ([*TINY, "--batch-sizes", "9" * 400], "--batch-sizes, --seq-len-q and --heads: B*SQ*Hq = 999"),
+    ([*TINY, "--kv-lens", "100000000000"], "--kv-lens must be <= 2147483392, got 100000000000"),
+    ([*TINY, "--seq-len-q", "9" * 400], "--batch-sizes, --seq-len-q and --heads: B*SQ*Hq = 1*999"),
+    ([*TINY, "--mask", "causal", "--window-left", "9" * 400], "--window-left: expected -1 (no window) or at most"),
 ])
 def test_cli_errors_exit_2_with_a_message(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path / "out")]) == 2
@@ -969,6 +982,7 @@ def test_a_corrupt_table_in_out_is_reported_once(tmp_path, capsys, caplog):
     (["--q-dtype", "float32"], "--q-dtype torch.float32 is not supported"),
     (["--device", "tpu"], "--device tpu: expected cuda, cuda:N or cpu"),
     (["--device", "cpu:3"], "--device cpu:3: expected cuda, cuda:N or cpu"),
+    (["--seq-len-q", "9" * 400], "--seq-len-q: expected an integer <= 9223372036854775807"),  # not a float overflow
 ])
 def test_explain_errors_name_the_flags_typed(flags, message, capsys):
     args = ["explain", "--batch-size", "1", "--kv-len", "10", *flags]
