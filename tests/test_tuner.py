@@ -641,6 +641,37 @@ def test_corrupt_study_db_is_moved_aside_and_finished_buckets_are_kept(smoke, tm
     assert "warning" not in err and err.count("already tuned") == len(PRESETS["smoke"])
 
 
+@cpu_only
+@pytest.mark.parametrize("record, why", [('{"op_code": 99}', "AssertionError"),
+                                         ('{"op_code": 5, "worker_id": "x"}', "KeyError: 'trial_id'")])
+def test_a_journal_record_optuna_cannot_replay_is_damage_too(record, why, smoke, tmp_path, capsys):
+    """Valid JSON that Optuna's replay fails on (an unknown operation, a trial that does not exist):
+    ``worker`` and ``export`` say so in one line (exit 2); ``tune`` moves the journal aside with one
+    warning, as any damaged study file, and continues from the log."""
+    out = tmp_path / "copy"
+    shutil.copytree(smoke.work, out)
+    shutil.copy(smoke.table, out)
+    (journal,) = out.glob("*_study.journal")
+    lines = journal.read_text().count("\n")
+    with open(journal, "a") as f:
+        f.write(record + "\n")
+    job = _records(out, "run")[0]["job"]
+    for argv in (["export", "--storage", str(journal), "--job", job, "--out", str(tmp_path / "export")],
+                 ["worker", "--storage", str(journal), "--job", job, "--out", str(tmp_path / "worker")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == (f"tsdecode-tune: error: study storage {journal}: cannot read the journal (line {lines + 1} is a "
+                       f"record Optuna cannot replay: {why}" + err.split(why, 1)[-1]), err
+        assert err.count("\n") == 1
+    before = _records(out)
+    assert main([*SMOKE, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    (aside,) = out.glob("*_study.journal.corrupt-*")
+    assert err.count("warning: study storage") == 1 and f"line {lines + 1} is a record Optuna cannot replay" in err
+    assert str(aside) in err and "Traceback" not in err
+    assert err.count("already tuned") == len(PRESETS["smoke"]) and _records(out) == before  # nothing measured again
+
+
 # ---- failing candidates ---------------------------------------------------------------------
 
 

@@ -145,7 +145,8 @@ def is_journal(url: str) -> bool:
 def journal_problem(path: Path) -> str | None:
     """Why the journal file at ``path`` cannot be replayed (None: it can, or it is missing):
     every line must be a JSON object ending in a newline (Optuna would append after a torn last
-    line and damage the next record too)."""
+    line and damage the next record too), and Optuna must be able to replay every record (valid
+    JSON of an unknown operation, or naming a trial that does not exist, fails the replay)."""
     if path.exists() and not path.is_file():  # reading a FIFO would hang
         return "not a regular file"
     try:
@@ -161,6 +162,31 @@ def journal_problem(path: Path) -> str | None:
             return f"line {number} is not JSON"
         if not isinstance(record, dict) or "op_code" not in record:
             return f"line {number} is not an Optuna journal record"
+    return _replay_problem(path)
+
+
+def _replay_problem(path: Path) -> str | None:
+    """Why Optuna cannot replay the journal at ``path`` (whose lines are complete JSON objects),
+    naming the line of the first record it fails on; None if it can."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    class Counted:  # the backend, counting the records it hands to the replay
+        def __init__(self) -> None:
+            self.backend, self.read = JournalFileBackend(str(path)), 0
+
+        def read_logs(self, log_number_from: int):
+            for record in self.backend.read_logs(log_number_from):
+                self.read += 1
+                yield record
+
+    counted = Counted()
+    try:
+        JournalStorage(counted)
+    except OSError:
+        return None
+    except Exception as e:  # AssertionError "Should not reach.", KeyError 'trial_id', ...
+        return f"line {counted.read} is a record Optuna cannot replay: {type(e).__name__}: {e}"
     return None
 
 
@@ -216,8 +242,11 @@ def open_storage(url: str, heartbeat: Heartbeat | None = None, stale_callback=No
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             return JournalStorage(JournalFileBackend(str(path)))
-        except (OSError, ValueError) as e:
+        except OSError as e:
             raise StorageError(f"study storage {url}: cannot read the journal ({e})") from None
+        except Exception as e:  # not JSON, or a record Optuna cannot replay (AssertionError, KeyError, ...)
+            why = journal_problem(path) or f"{type(e).__name__}: {e}"
+            raise StorageError(f"study storage {url}: cannot read the journal ({why})") from None
     if "://" not in url:
         raise StorageError(f"study storage {url!r}: not a storage URL (sqlite:///FILE.db, "
                            "postgresql://USER@HOST:PORT/DB) nor a journal file (a path ending in .journal)")
