@@ -672,6 +672,50 @@ def test_a_journal_record_optuna_cannot_replay_is_damage_too(record, why, smoke,
     assert err.count("already tuned") == len(PRESETS["smoke"]) and _records(out) == before  # nothing measured again
 
 
+@cpu_only
+def test_a_final_record_whose_entry_the_runtime_would_skip_is_not_reused(tmp_path, capsys):
+    """A ``final`` in the log with a winner outside the space (an edited or damaged log), reused after
+    the study storage is gone: passed over with one warning and its bucket tuned again; the table
+    holds every bucket. A bad final in the storage itself: export leaves that bucket out with one
+    warning and writes the others."""
+    out = tmp_path / "out"
+    argv = [*TINY, "--batch-sizes", "1,3", "--trials", "2", "--out", str(out), "--isolation", "inline", *FAST]
+    assert main(argv) == 0
+    capsys.readouterr()
+    (log,) = out.glob("*_trials.jsonl")
+    (journal,) = out.glob("*_study.journal")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    bad = next(r for r in records if r["kind"] == "final")
+    bad["winner"]["block_n"] = 7
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    journal.unlink()
+    next(out.glob("*.json")).unlink()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "Traceback" not in err, err
+    assert (f"a final record of bucket {tuple(bad['bucket'])}" in err and "is not reused: KernelConfig.block_n must be "
+            "one of (16, 32, 64, 128, 256), got 7; tuning the bucket again" in err), err
+    assert err.count("already tuned") == 1
+    (table_path,) = out.glob("*.json")
+    entries = tables.load_table(table_path).entries
+    assert sum(len(b) for b in entries.values()) == 2
+    assert all(e.kernel_config.block_n != 7 for b in entries.values() for e in b.values())
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err and err.count("already tuned") == 2
+
+    storage = study.open_storage(str(journal))
+    s = optuna.load_study(study_name=bad["study"], storage=storage)
+    s.set_user_attr("final", {**s.user_attrs["final"], "winner": bad["winner"]})
+    job = _records(out, "run")[-1]["job"]
+    assert main(["export", "--storage", str(journal), "--job", job, "--out", str(tmp_path / "export")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "its final in the study storage is not written to the table" in err, err
+    assert "got 7" in err and "Traceback" not in err
+    (exported,) = (tmp_path / "export").glob("*.json")
+    assert sum(len(b) for b in tables.load_table(exported).entries.values()) == 1
+
+
 # ---- failing candidates ---------------------------------------------------------------------
 
 

@@ -285,7 +285,7 @@ def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequ
     from .buckets import summary_table
     from .study import write_trials_csv
 
-    ex = J.export(storage, job, paths.table.parent) if job is not None else None
+    ex = J.export(storage, job, paths.table.parent, warn=echo) if job is not None else None
     if results is None:
         results = ex.results if ex is not None else []
     try:
@@ -376,7 +376,7 @@ def _export_interrupted(storage, job, paths) -> None:
     from . import job as J
 
     try:
-        ex = J.export(storage, job, paths.table.parent)
+        ex = J.export(storage, job, paths.table.parent, warn=echo)
     except Exception as e:
         echo(f"{PROG}: could not write the finished buckets: {e}")
         return
@@ -656,7 +656,7 @@ def run_export(args) -> int:
         echo(f"warning: the job was measured with kernel {identity.kernel_hash}, this tsdecode has "
              f"{kernel_source_hash()}: the table records the job's, and this installation will call it stale")
     try:
-        ex = J.export(storage, job, table_dir)
+        ex = J.export(storage, job, table_dir, warn=echo)
     except ValueError as e:  # the folder holds another device's table
         raise UsageError(f"{PROG} export: error: {e}") from None
     print(summary_table(ex.results))
