@@ -591,6 +591,55 @@ def test_an_error_a_library_raises_in_place_of_the_interrupt_still_ends_the_run_
 
 
 @cpu_only
+def test_an_interrupt_while_the_closing_files_are_written_exits_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C / SIGTERM once the buckets are done, while the run writes the CSV: the usual line and
+    exit code 130 (the table is written already), not a KeyboardInterrupt traceback."""
+
+    def interrupted_writing(jsonl, csv):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        raise AssertionError("no signal arrived")
+
+    monkeypatch.setattr(study, "write_trials_csv", interrupted_writing)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            rc = main([*TINY, "--trials", "2", "--out", str(tmp_path), "--isolation", "inline", *FAST])
+        except KeyboardInterrupt:  # (before the fix: would end pytest's session)
+            rc = "KeyboardInterrupt"
+    finally:
+        for sig, handler in handlers.items():  # the run ignores signals once one came
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert rc == 130, err
+    assert err.endswith(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume\n"), err
+    assert "Traceback" not in err and list(tmp_path.glob("*.json"))
+
+
+def test_an_interrupt_while_torch_imports_exits_130_without_a_traceback(tmp_path):
+    """SIGINT in the first second (``select_device`` importing torch): one line, exit code 130."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "tuner", *TINY, "--out", str(tmp_path / "out")], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # main's handlers are in: SIGTERM is caught (bit 15 of SigCgt)
+            caught = next(line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                          if line.startswith("SigCgt:"))
+            if int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1:
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "interrupted" in err, err
+
+
+@cpu_only
 def test_a_second_tuner_on_the_same_study_exits_2(tmp_path, capsys):
     """One run (``tune``) per study storage: the second neither touches the first's RUNNING
     trials nor races it creating the storage. The lock dies with its holder: a leftover lock

@@ -280,7 +280,18 @@ def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequ
             grid: Sequence = ()) -> int:
     """Write the table from the storage, the CSV, the summary and the closing lines; ``grid``: the
     run's shapes (the closing lines name one of them where --stale-only left no job, and say
-    when they were only the smoke preset's)."""
+    when they were only the smoke preset's). Interrupted meanwhile: the usual line, exit 130."""
+    try:
+        return _write_and_report(storage, job, paths, results, t_start, cpu, extra, grid)
+    except BaseException as e:
+        if not _interrupted(e):
+            raise
+        echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
+        return 130
+
+
+def _write_and_report(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequence[str],
+                      grid: Sequence) -> int:
     from . import job as J
     from .buckets import summary_table
     from .study import write_trials_csv
