@@ -668,6 +668,24 @@ def test_a_second_tuner_on_the_same_study_exits_2(tmp_path, capsys):
 
 
 @cpu_only
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc (no files can be created there)")
+@pytest.mark.parametrize("storage, lock, why", [
+    ("/proc/x.journal", "/proc/x.journal.tuner.lock", "No such file or directory"),
+    ("sqlite:////proc/x.db", "/proc/x.db.tuner.lock", "No such file or directory"),
+    ("FILE/sub/x.journal", "FILE/sub/x.journal.tuner.lock", "FILE is not a folder"),
+])
+def test_a_run_lock_that_cannot_be_created_is_named_not_taken_for_another_tuner(storage, lock, why, tmp_path, capsys):
+    file = tmp_path / "file"
+    file.write_text("")
+    storage, lock, why = (x.replace("FILE", str(file)) for x in (storage, lock, why))
+    assert main([*TINY, "--trials", "2", "--out", str(tmp_path / "out"), "--storage", storage, "--isolation", "inline",
+                 *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"tsdecode-tune: error: study storage {storage}: cannot create its run lock {lock} ({why})\n"), err
+    assert "another tuner" not in err and "Traceback" not in err
+
+
+@cpu_only
 def test_corrupt_study_db_is_moved_aside_and_finished_buckets_are_kept(smoke, tmp_path, capsys):
     out = tmp_path / "copy"
     shutil.copytree(smoke.work, out)

@@ -84,8 +84,16 @@ class StudyBusy(ToolError):
 def lock_study(paths: OutputPaths) -> filelock.FileLock:
     """Take the run lock of ``paths``' study storage without waiting; released by ``release()`` or
     when the process ends, a kill included (the file left behind blocks nothing). Raises
-    StudyBusy."""
-    paths.lock.parent.mkdir(parents=True, exist_ok=True)
+    StudyBusy, or StorageError where the lock file cannot be created (filelock would take that
+    for a lock held by another process)."""
+    try:
+        paths.lock.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError as e:
+        above = next((d for d in paths.lock.parents if d.exists()), None)
+        why = f"{above} is not a folder" if above is not None and not above.is_dir() else e.strerror
+        raise StorageError(f"study storage {display_url(paths.storage)}: cannot create its run lock {paths.lock} "
+                           f"({why or e})") from None
     lock = filelock.FileLock(paths.lock)
     try:
         lock.acquire(timeout=0)
