@@ -686,6 +686,51 @@ def test_a_run_lock_that_cannot_be_created_is_named_not_taken_for_another_tuner(
 
 
 @cpu_only
+@pytest.mark.parametrize("name, content, message", [
+    ("build.log", b"make: *** [all] Error 1\n", "study storage '{path}': not a storage URL (sqlite:///FILE.db, "
+     "postgresql://USER@HOST:PORT/DB) nor a journal file (a path ending in .journal)"),
+    ("notes.journal", b"my notes\n", "study storage {path}: not an Optuna journal (line 1 is not JSON); a file the "
+     "tuner does not recognise as its own is left alone: pass another --storage or move it away"),
+    ("folder.journal", None, "study storage {path}: not an Optuna journal (not a regular file); a file the tuner "
+     "does not recognise as its own is left alone"),
+    ("notes.db", b"my notes\n" * 100, "study storage sqlite:///{path}: not an SQLite database (file is not a "
+     "database); a file the tuner does not recognise as its own is left alone"),
+], ids=["log", "text-journal", "folder-journal", "text-db"])
+def test_a_file_the_tuner_does_not_recognise_is_refused_not_moved_aside(name, content, message, tmp_path, capsys):
+    """Only paths ending in .journal are journal storages, and only a file that starts as a journal
+    (or an SQLite database) or is the journal the tuner names itself is moved aside when damaged:
+    a user's file given as --storage, or a folder, is refused in one line and left as it was."""
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    storage = f"sqlite:///{path}" if name.endswith(".db") else str(path)
+    assert main([*TINY, "--trials", "2", "--out", str(tmp_path / "out"), "--storage", storage, "--isolation", "inline",
+                 *FAST]) == 2
+    err = capsys.readouterr().err
+    assert f"tsdecode-tune: error: {message.format(path=path)}" in err and err.count("tsdecode-tune: error") == 1, err
+    assert "Traceback" not in err and "moved aside" not in err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(name)) in ([name], [name, f"{name}.tuner.lock"])
+    assert path.is_dir() if content is None else path.read_bytes() == content
+
+
+@cpu_only
+def test_a_damaged_journal_that_starts_as_one_is_moved_aside_under_any_name(tmp_path, capsys):
+    storage = tmp_path / "mine.journal"
+    argv = [*TINY, "--trials", "2", "--out", str(tmp_path / "out"), "--storage", str(storage), "--isolation", "inline",
+            *FAST]
+    assert main(argv) == 0
+    with open(storage, "ab") as f:
+        f.write(os.urandom(64) + b"\n")
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    (aside,) = tmp_path.glob("mine.journal.corrupt-*")
+    assert err.count("warning: study storage") == 1 and str(aside) in err and "already tuned" in err, err
+
+
+@cpu_only
 def test_corrupt_study_db_is_moved_aside_and_finished_buckets_are_kept(smoke, tmp_path, capsys):
     out = tmp_path / "copy"
     shutil.copytree(smoke.work, out)

@@ -11,7 +11,8 @@ whole line, fsynced, so workers of one host can share the file) before it is tol
 storage, so a crash between the two loses nothing. The process that starts a run (``tune``)
 holds an exclusive lock on ``<study storage>.tuner.lock`` from start to end: one run per storage.
 A study file that is not a database / journal any more is moved aside (the table and the log
-keep what was tuned).
+keep what was tuned), if the tuner recognises it as its own (``set_aside_if_damaged``); a journal
+storage is a path ending in ``.journal``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class OutputPaths:
         if is_journal(self.storage):
             return Path(self.storage)
         return None
+
+    @property
+    def default_storage(self) -> bool:
+        """The storage is the journal file the tuner names itself (no --storage, or the same path)."""
+        return self.storage == str((self.work_dir / f"{self.table.stem}_study.journal").resolve())
 
     @property
     def lock(self) -> Path:
@@ -136,18 +142,40 @@ def move_storage_aside(path: Path) -> Path:
 
 def set_aside_if_damaged(paths: OutputPaths) -> tuple[Path, str] | None:
     """Move the study file of ``paths`` aside if it is no longer a database / journal (random
-    bytes, a torn record): (where it went, why), or None if it is fine, missing or a server."""
+    bytes, a torn record): (where it went, why), or None if it is fine, missing or a server.
+    Only a regular file the tuner recognises as its own is moved: the journal it names itself, or
+    a file that starts as its kind does (a journal record, SQLite's header); anything else (a
+    user's file given as --storage, a folder) raises StorageError and is left alone."""
     path = paths.storage_file
     if path is None or not path.exists():
         return None
-    problem = journal_problem(path) if is_journal(paths.storage) else sqlite_problem(path)
+    journal = is_journal(paths.storage)
+    problem = journal_problem(path) if journal else sqlite_problem(path)
     if problem is None:
         return None
+    if not (path.is_file() and (paths.default_storage or _starts_as_storage(path, journal))):
+        kind = "an Optuna journal" if journal else "an SQLite database"
+        raise StorageError(f"study storage {display_url(paths.storage)}: not {kind} ({problem}); a file the tuner "
+                           "does not recognise as its own is left alone: pass another --storage or move it away")
     return move_storage_aside(path), problem
 
 
+def _starts_as_storage(path: Path, journal: bool) -> bool:
+    """Whether the file at ``path`` starts as an Optuna journal (a first line that is a JSON
+    object with an "op_code") or an SQLite database (its 16-byte header) does."""
+    try:
+        with open(path, "rb") as f:
+            if not journal:
+                return f.read(16) == b"SQLite format 3\0"
+            record = json.loads(f.readline(1 << 20))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(record, dict) and "op_code" in record
+
+
 def is_journal(url: str) -> bool:
-    return url.endswith((".log", ".journal")) and "://" not in url
+    """A journal storage is a path ending in .journal (any other path is no storage)."""
+    return url.endswith(".journal") and "://" not in url
 
 
 def journal_problem(path: Path) -> str | None:
@@ -235,7 +263,7 @@ class Heartbeat:
 
 
 def open_storage(url: str, heartbeat: Heartbeat | None = None, stale_callback=None, must_exist: bool = False):
-    """An Optuna storage: a path ending in .journal / .log (journal file, no SQLAlchemy needed)
+    """An Optuna storage: a path ending in .journal (journal file, no SQLAlchemy needed)
     or an RDB URL (sqlite:///file.db, postgresql://user@host:port/db). ``heartbeat`` enables
     Optuna's heartbeats on RDB storages, with ``stale_callback(study, trial)`` called for each
     trial failed as stale. ``must_exist``: a storage file that does not exist is an error (a
