@@ -981,6 +981,37 @@ def test_cli_errors_exit_2_with_a_message(argv, message, capsys, tmp_path):
     assert not (tmp_path / "out").exists() and not tables.user_config_dir().exists()  # nothing written
 
 
+MEMORY = "names no database file (an in-memory database keeps nothing to resume or share with other workers)"
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([*TINY, "--storage", "sqlite:///", "--out", "OUT"], f"tsdecode-tune: error: study storage 'sqlite:///': {MEMORY}"),
+    ([*TINY, "--storage", "sqlite://", "--out", "OUT"], f"tsdecode-tune: error: study storage 'sqlite://': {MEMORY}"),
+    ([*TINY, "--storage", "sqlite:///:memory:", "--out", "OUT"], "study storage 'sqlite:///:memory:': names no"),
+    (["create", "--storage", "sqlite:///", *TINY], f"tsdecode-tune: error: study storage 'sqlite:///': {MEMORY}"),
+    (["worker", "--storage", "sqlite:///", "--job", "j"], f"tsdecode-tune: error: study storage 'sqlite:///': {MEMORY}"),
+    ([*TINY, "--out", ""], "tsdecode-tune tune: error: --out: expected a value, got '' (leave the flag out for its "
+     "default)"),
+    ([*TINY, "--devices", "", "--out", "OUT"], "tsdecode-tune tune: error: --devices: expected a value, got ''"),
+    ([*TINY, "--grid-file", " ", "--out", "OUT"], "tsdecode-tune tune: error: --grid-file: expected a value, got ' '"),
+    (["worker", "--storage", "S", "--job", "j", "--out", ""], "tsdecode-tune worker: error: --out: expected a value"),
+    (["export", "--storage", "", "--job", "j"], "tsdecode-tune export: error: --storage: expected a value, got ''\n"),
+])
+def test_empty_values_and_in_memory_storages_are_refused(argv, message, tmp_path, monkeypatch, capsys):
+    """An in-memory SQLite storage keeps nothing (no resume, no other worker) and used to leave a
+    lock file in the parent folder; an empty --out meant the user cache, an empty --devices one
+    process: one line each, exit code 2, nothing written."""
+    cwd = tmp_path / "cwd" / "sub"
+    cwd.mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    argv = [{"OUT": str(tmp_path / "out"), "S": str(tmp_path / "s.journal")}.get(a, a) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() and not tables.user_config_dir().exists()
+    assert sorted(p.name for p in (tmp_path / "cwd").rglob("*")) == ["sub"]
+
+
 @pytest.mark.parametrize("argv, owners", [
     (["--out", "OUT"], "tune, worker and export"),
     (["--out=OUT"], "tune, worker and export"),

@@ -21,7 +21,7 @@ import re
 import sys
 
 from .arguments import PROG, Parser, ToolError, UsageError
-from .parsers import build_parser, unknown_flags
+from .parsers import build_parser, empty_value, unknown_flags
 from .run import _interrupted, interrupts_stop_the_run, run_create, run_export, run_tune, run_worker
 
 SUBCOMMANDS = ("tune", "worker", "export", "create", "explain", "report")
@@ -173,6 +173,9 @@ def _main(argv: list[str]) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra:
             raise unknown_flags(parser, args.command, extra)
+        empty = empty_value(parser, args)
+        if empty is not None:
+            raise empty
         if args.command == "explain":
             return run_explain(args, device)
         require_tune_extra()

@@ -199,6 +199,19 @@ def build_parser(cpu: bool) -> argparse.ArgumentParser:
     return parser
 
 
+def empty_value(parser: argparse.ArgumentParser, args: argparse.Namespace) -> UsageError | None:
+    """The usage error for a flag given an empty value (``--out ""`` would mean the default
+    folder, ``--devices ""`` one process): no flag takes one. (--job names its own rule.)"""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices[args.command]._actions:
+        value = getattr(args, action.dest, None)
+        if action.option_strings and action.dest != "job" and isinstance(value, str) and not value.strip():
+            default = "" if action.required else " (leave the flag out for its default)"
+            return UsageError(f"{PROG} {args.command}: error: {action.option_strings[0]}: expected a value, got "
+                              f"{value!r}{default}")
+    return None
+
+
 def unknown_flags(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> UsageError:
     """The usage error for arguments ``command`` does not take; for a flag another subcommand
     takes (create has no device or output flags), which one."""

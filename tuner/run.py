@@ -439,6 +439,10 @@ def run_tune(args, device: str) -> int:
     specs = _specs(args, cpu)
     _limits(args)  # usage errors first, before anything is printed or started
     _check_hook(args.inject_hook)
+    if args.storage is not None:
+        from .study import check_url
+
+        check_url(args.storage)
     from tsdecode.config.tables import user_config_dir
 
     if args.out:

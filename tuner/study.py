@@ -226,6 +226,22 @@ def _replay_problem(path: Path) -> str | None:
     return None
 
 
+def check_url(url: str) -> None:
+    """StorageError unless ``url`` names a storage that keeps what is stored: a journal file, an
+    SQLite file or a database server (an in-memory SQLite database is gone with the process: no
+    resume, no other worker)."""
+    if is_journal(url):
+        return
+    if "://" not in url:
+        raise StorageError(f"study storage {url!r}: not a storage URL (sqlite:///FILE.db, "
+                           "postgresql://USER@HOST:PORT/DB) nor a journal file (a path ending in .journal)")
+    if url.split("://", 1)[0].split("+", 1)[0] == "sqlite":
+        path = url[len("sqlite:///"):].split("?", 1)[0] if url.startswith("sqlite:///") else ""
+        if path in ("", ":memory:") or path.endswith("/"):
+            raise StorageError(f"study storage {url!r}: names no database file (an in-memory database "
+                               "keeps nothing to resume or share with other workers): give sqlite:///FILE.db")
+
+
 def display_url(url: str) -> str:
     """``url`` for messages: a database URL without its password."""
     if "://" not in url:
@@ -268,6 +284,7 @@ def open_storage(url: str, heartbeat: Heartbeat | None = None, stale_callback=No
     Optuna's heartbeats on RDB storages, with ``stale_callback(study, trial)`` called for each
     trial failed as stale. ``must_exist``: a storage file that does not exist is an error (a
     worker joins an existing job) instead of being created. Raises StorageError."""
+    check_url(url)
     if is_journal(url):
         path = Path(url)
         if must_exist and not path.is_file():
@@ -283,9 +300,6 @@ def open_storage(url: str, heartbeat: Heartbeat | None = None, stale_callback=No
         except Exception as e:  # not JSON, or a record Optuna cannot replay (AssertionError, KeyError, ...)
             why = journal_problem(path) or f"{type(e).__name__}: {e}"
             raise StorageError(f"study storage {url}: cannot read the journal ({why})") from None
-    if "://" not in url:
-        raise StorageError(f"study storage {url!r}: not a storage URL (sqlite:///FILE.db, "
-                           "postgresql://USER@HOST:PORT/DB) nor a journal file (a path ending in .journal)")
     shown = display_url(url)
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):])
