@@ -616,6 +616,7 @@ def test_an_interrupt_while_the_closing_files_are_written_exits_130(tmp_path, mo
     assert "Traceback" not in err and list(tmp_path.glob("*.json"))
 
 
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal mask from /proc")
 def test_an_interrupt_while_torch_imports_exits_130_without_a_traceback(tmp_path):
     """SIGINT in the first second (``select_device`` importing torch): one line, exit code 130."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

@@ -235,9 +235,10 @@ def check_url(url: str) -> None:
     if "://" not in url:
         raise StorageError(f"study storage {url!r}: not a storage URL (sqlite:///FILE.db, "
                            "postgresql://USER@HOST:PORT/DB) nor a journal file (a path ending in .journal)")
-    if url.split("://", 1)[0].split("+", 1)[0] == "sqlite":
-        path = url[len("sqlite:///"):].split("?", 1)[0] if url.startswith("sqlite:///") else ""
-        if path in ("", ":memory:") or path.endswith("/"):
+    scheme, rest = url.split("://", 1)
+    if scheme.split("+", 1)[0] == "sqlite":  # sqlite:///FILE, sqlite+DRIVER:///FILE
+        path = rest.split("?", 1)[0]
+        if path in ("", "/", "/:memory:") or path.endswith("/"):
             raise StorageError(f"study storage {url!r}: names no database file (an in-memory database "
                                "keeps nothing to resume or share with other workers): give sqlite:///FILE.db")
 
