@@ -561,6 +561,42 @@ def test_an_unusable_file_under_another_name_is_one_warning(tmp_path, caplog, mo
     assert f"`tsdecode-tune --preset smoke --out {folder}` (writes {folder / 'cpu_Triton_interpreter.json'})" in msg
 
 
+@pytest.mark.parametrize("name, content, reason", [
+    ("package.json", '{"name": "my-app", "version": "1.0.0"}', "JSON without a format_version"),
+    ("notes.json", "my notes", "not JSON: Expecting value: line 1 column 1 (char 0)"),
+    ("list.json", "[1, 2]", "JSON without a format_version"),
+    ("a-folder.json", None, "not a regular file but a folder"),
+])
+def test_a_file_that_is_no_table_is_said_to_be_ignored_not_to_be_deleted(name, content, reason, tmp_path, user_dir,
+                                                                          caplog, monkeypatch):
+    """Another tool's JSON file (or a folder) in a config folder is none of tsdecode's business: one
+    warning says it is not a table and is ignored, and where this device's table comes from."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    other = folder / name
+    if content is None:
+        other.mkdir()
+    else:
+        other.write_text(content)
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(folder))
+    cpu = D.device_properties("cpu")
+    for _ in range(3):
+        assert select_config(make_shape(), cpu).source == "heuristic"
+    [msg] = messages(caplog)
+    assert msg == (f"{other} is not a tsdecode config table ({reason}); ignored. This device's table comes from "
+                   f"`tsdecode-tune --preset smoke` (writes {user_dir / 'cpu_Triton_interpreter.json'})")
+    assert other.exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/null"), reason="no /dev/null")
+def test_a_device_given_as_the_config_path_is_not_to_be_deleted(user_dir, caplog):
+    for _ in range(3):
+        tables.lookup(make_shape(), H200, config_dir="/dev/null")
+    [msg] = messages(caplog)
+    assert msg.startswith("/dev/null is not a tsdecode config table (not a regular file but a device file); ignored")
+    assert "Delete" not in msg and "--out /dev" not in msg
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this system")
 def test_a_fifo_named_like_a_table_is_unusable_not_a_hang(tmp_path, user_dir, caplog):
     write(user_dir, num_warps=8)

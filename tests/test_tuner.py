@@ -609,6 +609,56 @@ def test_an_error_a_library_raises_in_place_of_the_interrupt_still_ends_the_run_
 
 
 @cpu_only
+def test_an_interrupt_while_the_closing_files_are_written_exits_130(tmp_path, monkeypatch, capsys):
+    """Ctrl-C / SIGTERM once the buckets are done, while the run writes the CSV: the usual line and
+    exit code 130 (the table is written already), not a KeyboardInterrupt traceback."""
+
+    def interrupted_writing(jsonl, csv):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+        raise AssertionError("no signal arrived")
+
+    monkeypatch.setattr(study, "write_trials_csv", interrupted_writing)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            rc = main([*TINY, "--trials", "2", "--out", str(tmp_path), "--isolation", "inline", *FAST])
+        except KeyboardInterrupt:  # (before the fix: would end pytest's session)
+            rc = "KeyboardInterrupt"
+    finally:
+        for sig, handler in handlers.items():  # the run ignores signals once one came
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert rc == 130, err
+    assert err.endswith(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume\n"), err
+    assert "Traceback" not in err and list(tmp_path.glob("*.json"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal mask from /proc")
+def test_an_interrupt_while_torch_imports_exits_130_without_a_traceback(tmp_path):
+    """SIGINT in the first second (``select_device`` importing torch): one line, exit code 130."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "tuner", *TINY, "--out", str(tmp_path / "out")], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # main's handlers are in: SIGTERM is caught (bit 15 of SigCgt)
+            caught = next(line for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                          if line.startswith("SigCgt:"))
+            if int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1:
+                break
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "interrupted" in err, err
+
+
+@cpu_only
 def test_a_second_tuner_on_the_same_study_exits_2(tmp_path, capsys):
     """One run (``tune``) per study storage: the second neither touches the first's RUNNING
     trials nor races it creating the storage. The lock dies with its holder: a leftover lock
@@ -637,6 +687,69 @@ def test_a_second_tuner_on_the_same_study_exits_2(tmp_path, capsys):
 
 
 @cpu_only
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs /proc (no files can be created there)")
+@pytest.mark.parametrize("storage, lock, why", [
+    ("/proc/x.journal", "/proc/x.journal.tuner.lock", "No such file or directory"),
+    ("sqlite:////proc/x.db", "/proc/x.db.tuner.lock", "No such file or directory"),
+    ("FILE/sub/x.journal", "FILE/sub/x.journal.tuner.lock", "FILE is not a folder"),
+])
+def test_a_run_lock_that_cannot_be_created_is_named_not_taken_for_another_tuner(storage, lock, why, tmp_path, capsys):
+    file = tmp_path / "file"
+    file.write_text("")
+    storage, lock, why = (x.replace("FILE", str(file)) for x in (storage, lock, why))
+    assert main([*TINY, "--trials", "2", "--out", str(tmp_path / "out"), "--storage", storage, "--isolation", "inline",
+                 *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"tsdecode-tune: error: study storage {storage}: cannot create its run lock {lock} ({why})\n"), err
+    assert "another tuner" not in err and "Traceback" not in err
+
+
+@cpu_only
+@pytest.mark.parametrize("name, content, message", [
+    ("build.log", b"make: *** [all] Error 1\n", "study storage '{path}': not a storage URL (sqlite:///FILE.db, "
+     "postgresql://USER@HOST:PORT/DB) nor a journal file (a path ending in .journal)"),
+    ("notes.journal", b"my notes\n", "study storage {path}: not an Optuna journal (line 1 is not JSON); a file the "
+     "tuner does not recognise as its own is left alone: pass another --storage or move it away"),
+    ("folder.journal", None, "study storage {path}: not an Optuna journal (not a regular file); a file the tuner "
+     "does not recognise as its own is left alone"),
+    ("notes.db", b"my notes\n" * 100, "study storage sqlite:///{path}: not an SQLite database (file is not a "
+     "database); a file the tuner does not recognise as its own is left alone"),
+], ids=["log", "text-journal", "folder-journal", "text-db"])
+def test_a_file_the_tuner_does_not_recognise_is_refused_not_moved_aside(name, content, message, tmp_path, capsys):
+    """Only paths ending in .journal are journal storages, and only a file that starts as a journal
+    (or an SQLite database) or is the journal the tuner names itself is moved aside when damaged:
+    a user's file given as --storage, or a folder, is refused in one line and left as it was."""
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    storage = f"sqlite:///{path}" if name.endswith(".db") else str(path)
+    assert main([*TINY, "--trials", "2", "--out", str(tmp_path / "out"), "--storage", storage, "--isolation", "inline",
+                 *FAST]) == 2
+    err = capsys.readouterr().err
+    assert f"tsdecode-tune: error: {message.format(path=path)}" in err and err.count("tsdecode-tune: error") == 1, err
+    assert "Traceback" not in err and "moved aside" not in err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(name)) in ([name], [name, f"{name}.tuner.lock"])
+    assert path.is_dir() if content is None else path.read_bytes() == content
+
+
+@cpu_only
+def test_a_damaged_journal_that_starts_as_one_is_moved_aside_under_any_name(tmp_path, capsys):
+    storage = tmp_path / "mine.journal"
+    argv = [*TINY, "--trials", "2", "--out", str(tmp_path / "out"), "--storage", str(storage), "--isolation", "inline",
+            *FAST]
+    assert main(argv) == 0
+    with open(storage, "ab") as f:
+        f.write(os.urandom(64) + b"\n")
+    capsys.readouterr()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    (aside,) = tmp_path.glob("mine.journal.corrupt-*")
+    assert err.count("warning: study storage") == 1 and str(aside) in err and "already tuned" in err, err
+
+
+@cpu_only
 def test_corrupt_study_db_is_moved_aside_and_finished_buckets_are_kept(smoke, tmp_path, capsys):
     out = tmp_path / "copy"
     shutil.copytree(smoke.work, out)
@@ -657,6 +770,81 @@ def test_corrupt_study_db_is_moved_aside_and_finished_buckets_are_kept(smoke, tm
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "warning" not in err and err.count("already tuned") == len(PRESETS["smoke"])
+
+
+@cpu_only
+@pytest.mark.parametrize("record, why", [('{"op_code": 99}', "AssertionError"),
+                                         ('{"op_code": 5, "worker_id": "x"}', "KeyError: 'trial_id'")])
+def test_a_journal_record_optuna_cannot_replay_is_damage_too(record, why, smoke, tmp_path, capsys):
+    """Valid JSON that Optuna's replay fails on (an unknown operation, a trial that does not exist):
+    ``worker`` and ``export`` say so in one line (exit 2); ``tune`` moves the journal aside with one
+    warning, as any damaged study file, and continues from the log."""
+    out = tmp_path / "copy"
+    shutil.copytree(smoke.work, out)
+    shutil.copy(smoke.table, out)
+    (journal,) = out.glob("*_study.journal")
+    lines = journal.read_text().count("\n")
+    with open(journal, "a") as f:
+        f.write(record + "\n")
+    job = _records(out, "run")[0]["job"]
+    for argv in (["export", "--storage", str(journal), "--job", job, "--out", str(tmp_path / "export")],
+                 ["worker", "--storage", str(journal), "--job", job, "--out", str(tmp_path / "worker")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == (f"tsdecode-tune: error: study storage {journal}: cannot read the journal (line {lines + 1} is a "
+                       f"record Optuna cannot replay: {why}" + err.split(why, 1)[-1]), err
+        assert err.count("\n") == 1
+    before = _records(out)
+    assert main([*SMOKE, "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    (aside,) = out.glob("*_study.journal.corrupt-*")
+    assert err.count("warning: study storage") == 1 and f"line {lines + 1} is a record Optuna cannot replay" in err
+    assert str(aside) in err and "Traceback" not in err
+    assert err.count("already tuned") == len(PRESETS["smoke"]) and _records(out) == before  # nothing measured again
+
+
+@cpu_only
+def test_a_final_record_whose_entry_the_runtime_would_skip_is_not_reused(tmp_path, capsys):
+    """A ``final`` in the log with a winner outside the space (an edited or damaged log), reused after
+    the study storage is gone: passed over with one warning and its bucket tuned again; the table
+    holds every bucket. A bad final in the storage itself: export leaves that bucket out with one
+    warning and writes the others."""
+    out = tmp_path / "out"
+    argv = [*TINY, "--batch-sizes", "1,3", "--trials", "2", "--out", str(out), "--isolation", "inline", *FAST]
+    assert main(argv) == 0
+    capsys.readouterr()
+    (log,) = out.glob("*_trials.jsonl")
+    (journal,) = out.glob("*_study.journal")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    bad = next(r for r in records if r["kind"] == "final")
+    bad["winner"]["block_n"] = 7
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    journal.unlink()
+    next(out.glob("*.json")).unlink()
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "Traceback" not in err, err
+    assert (f"a final record of bucket {tuple(bad['bucket'])}" in err and "is not reused: KernelConfig.block_n must be "
+            "one of (16, 32, 64, 128, 256), got 7; tuning the bucket again" in err), err
+    assert err.count("already tuned") == 1
+    (table_path,) = out.glob("*.json")
+    entries = tables.load_table(table_path).entries
+    assert sum(len(b) for b in entries.values()) == 2
+    assert all(e.kernel_config.block_n != 7 for b in entries.values() for e in b.values())
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err and err.count("already tuned") == 2
+
+    storage = study.open_storage(str(journal))
+    s = optuna.load_study(study_name=bad["study"], storage=storage)
+    s.set_user_attr("final", {**s.user_attrs["final"], "winner": bad["winner"]})
+    job = _records(out, "run")[-1]["job"]
+    assert main(["export", "--storage", str(journal), "--job", job, "--out", str(tmp_path / "export")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "its final in the study storage is not written to the table" in err, err
+    assert "got 7" in err and "Traceback" not in err
+    (exported,) = (tmp_path / "export").glob("*.json")
+    assert sum(len(b) for b in tables.load_table(exported).entries.values()) == 1
 
 
 # ---- failing candidates ---------------------------------------------------------------------
@@ -865,12 +1053,56 @@ def test_a_bucket_is_not_complete_while_its_default_waits_in_the_queue(tmp_path)
     ([*TINY, "--kv-dtypes", "fp8"], "--kv-dtypes: unknown dtype(s) ['fp8']"),
     ([*TINY, "--heads", "4:3"], "--heads: 4:3: HQ must be a multiple of HKV"),
     ([*TINY, "--config-dir", "x"], "--config-dir is a flag of explain, not of tune"),
+    # finite but too large for the run's waits and arithmetic (NaN heartbeats, a poll's overflow)
+    (["--trial-timeout", "1e308"], "--trial-timeout: expected a number <= 604800 (a week), got '1e308'"),
+    (["--trial-timeout", "1e200"], "--trial-timeout: expected a number <= 604800 (a week), got '1e200'"),
+    (["--heartbeat-grace", "1e300"], "--heartbeat-grace: expected a number <= 604800 (a week), got '1e300'"),
+    (["--time-budget", "1e300"], "--time-budget: expected a number <= 31536000 (a year), got '1e300'"),
+    (["--replay-ms", "1e308"], "--replay-ms: expected a number <= 60000 (a minute), got '1e308'"),
+    (["--trials", "9" * 400], "--trials: expected an integer <= 9223372036854775807, got '999"),
+    (["--top-k", "9" * 400], "--top-k: expected an integer <= 9223372036854775807, got '999"),
+    (["--compile-workers", "100000"], "--compile-workers: expected an integer <= 256, got '100000'"),
+    ([*TINY, "--batch-sizes", "9" * 400], "--batch-sizes, --seq-len-q and --heads: B*SQ*Hq = 999"),
+    ([*TINY, "--kv-lens", "100000000000"], "--kv-lens must be <= 2147483392, got 100000000000"),
+    ([*TINY, "--seq-len-q", "9" * 400], "--batch-sizes, --seq-len-q and --heads: B*SQ*Hq = 1*999"),
+    ([*TINY, "--mask", "causal", "--window-left", "9" * 400], "--window-left: expected -1 (no window) or at most"),
 ])
 def test_cli_errors_exit_2_with_a_message(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
     assert not (tmp_path / "out").exists() and not tables.user_config_dir().exists()  # nothing written
+
+
+MEMORY = "names no database file (an in-memory database keeps nothing to resume or share with other workers)"
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([*TINY, "--storage", "sqlite:///", "--out", "OUT"], f"tsdecode-tune: error: study storage 'sqlite:///': {MEMORY}"),
+    ([*TINY, "--storage", "sqlite://", "--out", "OUT"], f"tsdecode-tune: error: study storage 'sqlite://': {MEMORY}"),
+    ([*TINY, "--storage", "sqlite:///:memory:", "--out", "OUT"], "study storage 'sqlite:///:memory:': names no"),
+    (["create", "--storage", "sqlite:///", *TINY], f"tsdecode-tune: error: study storage 'sqlite:///': {MEMORY}"),
+    (["worker", "--storage", "sqlite:///", "--job", "j"], f"tsdecode-tune: error: study storage 'sqlite:///': {MEMORY}"),
+    ([*TINY, "--out", ""], "tsdecode-tune tune: error: --out: expected a value, got '' (leave the flag out for its "
+     "default)"),
+    ([*TINY, "--devices", "", "--out", "OUT"], "tsdecode-tune tune: error: --devices: expected a value, got ''"),
+    ([*TINY, "--grid-file", " ", "--out", "OUT"], "tsdecode-tune tune: error: --grid-file: expected a value, got ' '"),
+    (["worker", "--storage", "S", "--job", "j", "--out", ""], "tsdecode-tune worker: error: --out: expected a value"),
+    (["export", "--storage", "", "--job", "j"], "tsdecode-tune export: error: --storage: expected a value, got ''\n"),
+])
+def test_empty_values_and_in_memory_storages_are_refused(argv, message, tmp_path, monkeypatch, capsys):
+    """An in-memory SQLite storage keeps nothing (no resume, no other worker) and used to leave a
+    lock file in the parent folder; an empty --out meant the user cache, an empty --devices one
+    process: one line each, exit code 2, nothing written."""
+    cwd = tmp_path / "cwd" / "sub"
+    cwd.mkdir(parents=True)
+    monkeypatch.chdir(cwd)
+    argv = [{"OUT": str(tmp_path / "out"), "S": str(tmp_path / "s.journal")}.get(a, a) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() and not tables.user_config_dir().exists()
+    assert sorted(p.name for p in (tmp_path / "cwd").rglob("*")) == ["sub"]
 
 
 @pytest.mark.parametrize("argv, owners", [
@@ -1061,6 +1293,7 @@ def test_a_corrupt_table_in_out_is_reported_once(tmp_path, capsys, caplog):
     (["--q-dtype", "float32"], "--q-dtype torch.float32 is not supported"),
     (["--device", "tpu"], "--device tpu: expected cuda, cuda:N or cpu"),
     (["--device", "cpu:3"], "--device cpu:3: expected cuda, cuda:N or cpu"),
+    (["--seq-len-q", "9" * 400], "--seq-len-q: expected an integer <= 9223372036854775807"),  # not a float overflow
 ])
 def test_explain_errors_name_the_flags_typed(flags, message, capsys):
     args = ["explain", "--batch-size", "1", "--kv-len", "10", *flags]

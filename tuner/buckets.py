@@ -143,6 +143,39 @@ class BucketResult:
                    final["default_bandwidth_gbs"], final["kept_default"], final["noise"], final["measured"],
                    final["pruned"], final.get("note", ""), resumed=resumed, cut_short=final.get("cut_short", False))
 
+    def table_entry(self) -> tables.TableEntry:
+        """The table entry of a tuned bucket (``ok``)."""
+        return tables.TableEntry(self.winner, float(self.time_us), float(self.bandwidth_gbs), self.fraction_of_copy,
+                                 self.default, float(self.default_time_us), float(self.default_bandwidth_gbs),
+                                 tuned_batch_size=self.bucket.representative.batch_size)
+
+
+# The start of table_writer.table_data's refusal, left out where the caller says what it refuses.
+_REFUSED = "refusing to write an entry the runtime would skip: "
+
+
+def entry_problem(result: BucketResult, device: DeviceProperties) -> str | None:
+    """Why the table entry of a tuned bucket's ``result`` (read back from the results log or a
+    study storage, not measured now: e.g. a winner outside today's config space) cannot be
+    written, as the runtime would skip it; None if it can."""
+    from .table_writer import table_data
+
+    try:
+        table_data(device, {result.bucket.class_key: {result.bucket.bucket: result.table_entry()}}, {})
+    except (TypeError, ValueError, ArithmeticError) as e:
+        where = f"{_REFUSED}{result.bucket.class_key} bucket {result.bucket.bucket}: "
+        return str(e).removeprefix(where)
+    return None
+
+
+def final_problem(bucket: Bucket, name: str, final: dict[str, Any], device: DeviceProperties) -> str | None:
+    """``entry_problem`` of a successful "final" record."""
+    try:
+        result = BucketResult.from_final(bucket, name, final)
+    except (KeyError, TypeError, ValueError) as e:
+        return f"not a final record ({type(e).__name__}: {e})"
+    return entry_problem(result, device)
+
 
 def final_of(study_attrs: dict[str, Any], trials: int) -> dict[str, Any] | None:
     """A study's result for a budget of ``trials`` measured configs: its "final" (a winner) or

@@ -21,8 +21,8 @@ import re
 import sys
 
 from .arguments import PROG, Parser, ToolError, UsageError
-from .parsers import build_parser, unknown_flags
-from .run import interrupts_stop_the_run, run_create, run_export, run_tune, run_worker
+from .parsers import build_parser, empty_value, unknown_flags
+from .run import _interrupted, interrupts_stop_the_run, run_create, run_export, run_tune, run_worker
 
 SUBCOMMANDS = ("tune", "worker", "export", "create", "explain", "report")
 # What the tune subcommand needs beyond the runtime: the "tune" extra.
@@ -149,8 +149,14 @@ def run_report(report_argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    with interrupts_stop_the_run():
-        return _main(list(sys.argv[1:] if argv is None else argv))
+    try:
+        with interrupts_stop_the_run():
+            return _main(list(sys.argv[1:] if argv is None else argv))
+    except BaseException as e:  # Ctrl-C or SIGTERM where no subcommand handles it (importing torch, ...)
+        if not _interrupted(e):
+            raise
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _main(argv: list[str]) -> int:
@@ -167,6 +173,9 @@ def _main(argv: list[str]) -> int:
         args, extra = parser.parse_known_args(argv)
         if extra:
             raise unknown_flags(parser, args.command, extra)
+        empty = empty_value(parser, args)
+        if empty is not None:
+            raise empty
         if args.command == "explain":
             return run_explain(args, device)
         require_tune_extra()

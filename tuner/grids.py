@@ -283,6 +283,15 @@ def _custom_grid(opts: dict, where: str = "") -> list[ShapeSpec]:
         if hq < 1 or hkv < 1 or hq % hkv or hq // hkv > V.MAX_GROUP_SIZE:
             raise ValueError(f"{name('heads')}: {hq}:{hkv}: HQ must be a multiple of HKV (both "
                              f">= 1) with HQ/HKV <= {V.MAX_GROUP_SIZE}")
+    sizes = (name("batch_sizes"), name("kv_lens"), name("seq_len_q"))
+    try:  # the largest shape: the kernels index in int32 (a huge size would overflow a float later)
+        V.validate_sizes(max(batch_sizes), max(kv_lens), seq_len_q, max(hq for hq, _ in heads), names=sizes)
+    except (ValueError, NotImplementedError) as e:
+        int32 = str(e).startswith("B*SQ*Hq")
+        raise ValueError(f"{sizes[0]}, {sizes[2]} and {name('heads')}: {e}" if int32 else str(e)) from None
+    if window_left > V.MAX_KV_LEN:
+        raise ValueError(f"{name('window_left')}: expected -1 (no window) or at most {V.MAX_KV_LEN} (the longest "
+                         f"K/V length), got {window_left}")
     bad = [d for d in head_dims if d not in V.SUPPORTED_HEAD_DIMS]
     if bad:
         raise ValueError(f"{name('head_dim')}: {bad} not supported; one of "

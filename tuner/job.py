@@ -38,7 +38,8 @@ from tsdecode.config.tables import TableEntry, table_filename
 from tsdecode.device import DeviceProperties
 
 from .arguments import ToolError
-from .buckets import Bucket, BucketResult, TuneSettings, bucket_space, final_of, group_buckets, measured_trials
+from .buckets import (Bucket, BucketResult, TuneSettings, bucket_space, entry_problem, final_of, group_buckets,
+                      measured_trials)
 from .grids import ShapeSpec
 from .space import space_size
 from .study import Heartbeat
@@ -313,20 +314,25 @@ def tuner_settings(job: Job, identity: Identity) -> dict[str, Any]:
             "copy_bandwidth_gbs": identity.copy_bandwidth_gbs}
 
 
-def export(storage, job: Job, table_dir: Path) -> Export:
+def export(storage, job: Job, table_dir: Path, warn: Callable[[str], None] | None = None) -> Export:
     """Merge the job's finished buckets into ``table_dir``/<GPU>.json (other entries of the
-    table are kept); buckets not finished yet are left out."""
+    table are kept); buckets not finished yet are left out, and so is a final the runtime would
+    skip (a damaged storage; ``warn`` is told which)."""
     identity = pinned(storage, job.name)
     if identity is None:
         return Export([BucketResult(b, "", False, pending=True) for b in job.buckets], None)
     results = _results(storage, job)
     entries: dict[str, dict[tuple[int, int], TableEntry]] = {}
-    for r in results:
+    for i, r in enumerate(results):
         if r.ok:
-            entries.setdefault(r.bucket.class_key, {})[r.bucket.bucket] = TableEntry(
-                r.winner, float(r.time_us), float(r.bandwidth_gbs), r.fraction_of_copy, r.default,
-                float(r.default_time_us), float(r.default_bandwidth_gbs),
-                tuned_batch_size=r.bucket.representative.batch_size)
+            why = entry_problem(r, identity.device)
+            if why is not None:
+                (warn or (lambda msg: None))(f"warning: bucket {r.bucket.bucket} of {r.bucket.class_key}: its final in "
+                                             f"the study storage is not written to the table ({why})")
+                results[i] = BucketResult(r.bucket, r.study_name, False, measured=r.measured, pruned=r.pruned,
+                                          note=f"final not usable: {why}")
+                continue
+            entries.setdefault(r.bucket.class_key, {})[r.bucket.bucket] = r.table_entry()
     if not entries:
         return Export(results, None)
     path = Path(table_dir) / table_filename(identity.device.name)

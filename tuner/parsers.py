@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from .arguments import PROG, Parser, UsageError, int_list_type, nonnegative_int, positive_float, positive_int
+from .arguments import (PROG, Parser, UsageError, compile_workers, int_list_type, nonnegative_int, positive_int,
+                        replay_ms, seconds_up_to_a_week, seconds_up_to_a_year)
 
 
 # The search-space flags: a KernelConfig field and what its values are.
@@ -38,7 +39,7 @@ def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool, run: bool = True) 
     s.add_argument("--trials", type=positive_int, default=4 if cpu else 48,
                    help="configs measured per bucket (configs that fit to one already measured do not count; "
                         "default 48, on the CPU 4)")
-    s.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
+    s.add_argument("--time-budget", type=seconds_up_to_a_year, default=None, metavar="SECONDS",
                    help="wall-clock budget of the whole search, shared evenly by the buckets still to tune")
     s.add_argument("--seed", type=int, default=0, help="sampler seed (default %(default)s)")
     s.add_argument("--top-k", type=nonnegative_int, default=3,
@@ -60,20 +61,20 @@ def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool, run: bool = True) 
         m.add_argument("--devices", default=None, metavar="SPEC",
                        help="one worker process per device, all sharing the job's studies: 'all' (every visible "
                             "GPU), GPU indices like 0,1,3, or cpu:N (N interpreter workers, without a GPU)")
-    m.add_argument("--trial-timeout", type=positive_float, default=900.0 if cpu else 300.0, metavar="SECONDS",
+    m.add_argument("--trial-timeout", type=seconds_up_to_a_week, default=900.0 if cpu else 300.0, metavar="SECONDS",
                    help="per-candidate limit; a candidate past it is pruned and the measuring process restarted "
                         "(default 300, on the CPU 900)")
-    m.add_argument("--replay-ms", type=positive_float, default=80.0,
+    m.add_argument("--replay-ms", type=replay_ms, default=80.0,
                    help="CUDA-graph replay time per measurement (default %(default)s)")
     m.add_argument("--check-requests", type=positive_int, default=2,
                    help="requests checked against the float64 reference on GPU (default %(default)s; CPU "
                         "checks all)")
     if run:
-        m.add_argument("--compile-workers", type=nonnegative_int, default=None,
+        m.add_argument("--compile-workers", type=compile_workers, default=None,
                        help="processes precompiling candidates while others are measured, per worker (default: "
                             "(CPUs - 2 - 2 x workers) / workers, between 1 and 8, i.e. min(8, CPUs - 4) on one GPU; "
                             "0 on the CPU; 0 disables)")
-    m.add_argument("--heartbeat-grace", type=positive_float, default=None, metavar="SECONDS",
+    m.add_argument("--heartbeat-grace", type=seconds_up_to_a_week, default=None, metavar="SECONDS",
                    help="a running trial whose worker shows no sign of life for this long is failed and queued "
                         "again (with a PostgreSQL or SQLite storage; a journal file has no heartbeats; this host's "
                         "dead workers are noticed at once; default: 2 x --trial-timeout)")
@@ -116,7 +117,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default=None, metavar="SPEC",
                    help="one worker per device of this host: all, 0,1,3 or cpu:N (default: one worker on the "
                         "default device)")
-    p.add_argument("--compile-workers", type=nonnegative_int, default=None,
+    p.add_argument("--compile-workers", type=compile_workers, default=None,
                    help="compile processes per worker (default as for tune)")
     p.add_argument("--out", default=None, metavar="DIR",
                    help="folder for this host's trial log (default: the user cache folder's tuning/)")
@@ -197,6 +198,19 @@ def build_parser(cpu: bool) -> argparse.ArgumentParser:
     add_explain_arguments(sub.add_parser("explain", help="which table entry and config a shape gets"))
     sub.add_parser("report", help="benchmark reports (see tsdecode-tune report --help)", add_help=False)
     return parser
+
+
+def empty_value(parser: argparse.ArgumentParser, args: argparse.Namespace) -> UsageError | None:
+    """The usage error for a flag given an empty value (``--out ""`` would mean the default
+    folder, ``--devices ""`` one process): no flag takes one. (--job names its own rule.)"""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for action in sub.choices[args.command]._actions:
+        value = getattr(args, action.dest, None)
+        if action.option_strings and action.dest != "job" and isinstance(value, str) and not value.strip():
+            default = "" if action.required else " (leave the flag out for its default)"
+            return UsageError(f"{PROG} {args.command}: error: {action.option_strings[0]}: expected a value, got "
+                              f"{value!r}{default}")
+    return None
 
 
 def unknown_flags(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> UsageError:

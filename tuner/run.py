@@ -280,12 +280,23 @@ def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequ
             grid: Sequence = ()) -> int:
     """Write the table from the storage, the CSV, the summary and the closing lines; ``grid``: the
     run's shapes (the closing lines name one of them where --stale-only left no job, and say
-    when they were only the smoke preset's)."""
+    when they were only the smoke preset's). Interrupted meanwhile: the usual line, exit 130."""
+    try:
+        return _write_and_report(storage, job, paths, results, t_start, cpu, extra, grid)
+    except BaseException as e:
+        if not _interrupted(e):
+            raise
+        echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
+        return 130
+
+
+def _write_and_report(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequence[str],
+                      grid: Sequence) -> int:
     from . import job as J
     from .buckets import summary_table
     from .study import write_trials_csv
 
-    ex = J.export(storage, job, paths.table.parent) if job is not None else None
+    ex = J.export(storage, job, paths.table.parent, warn=echo) if job is not None else None
     if results is None:
         results = ex.results if ex is not None else []
     try:
@@ -376,7 +387,7 @@ def _export_interrupted(storage, job, paths) -> None:
     from . import job as J
 
     try:
-        ex = J.export(storage, job, paths.table.parent)
+        ex = J.export(storage, job, paths.table.parent, warn=echo)
     except Exception as e:
         echo(f"{PROG}: could not write the finished buckets: {e}")
         return
@@ -428,6 +439,10 @@ def run_tune(args, device: str) -> int:
     specs = _specs(args, cpu)
     _limits(args)  # usage errors first, before anything is printed or started
     _check_hook(args.inject_hook)
+    if args.storage is not None:
+        from .study import check_url
+
+        check_url(args.storage)
     from tsdecode.config.tables import user_config_dir
 
     if args.out:
@@ -659,7 +674,7 @@ def run_export(args) -> int:
         echo(f"warning: the job was measured with kernel {identity.kernel_hash}, this tsdecode has "
              f"{kernel_source_hash()}: the table records the job's, and this installation will call it stale")
     try:
-        ex = J.export(storage, job, table_dir)
+        ex = J.export(storage, job, table_dir, warn=echo)
     except ValueError as e:  # the folder holds another device's table
         raise UsageError(f"{PROG} export: error: {e}") from None
     print(summary_table(ex.results))

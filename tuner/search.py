@@ -58,7 +58,7 @@ from tsdecode.config import tables
 from tsdecode.config.space import ProblemShape, fit_config
 from tsdecode.device import DeviceProperties
 
-from .buckets import Bucket, BucketResult, TuneSettings, bucket_space, final_of, measured_trials
+from .buckets import Bucket, BucketResult, TuneSettings, bucket_space, final_of, final_problem, measured_trials
 from .measure import geomean
 from .runner import CandidateFailed, CompilePool
 from .space import (
@@ -205,12 +205,28 @@ FINAL_FIELDS = frozenset((
 RESULT_FIELDS = ("bandwidth_gbs", "fraction_of_copy", "rel_err", "per_spec", "compile_s", "plan_s", "measure_s")
 
 
-def final_from_log(jsonl: Path, name: str) -> dict[str, Any] | None:
+def final_from_log(jsonl: Path, name: str, bucket: Bucket | None = None, device: DeviceProperties | None = None,
+                   echo: Callable[[str], None] | None = None) -> dict[str, Any] | None:
     """The latest successful final of study ``name`` in the results log (a study storage lost
-    since, e.g. moved aside as corrupt, no longer holds it), as the study attribute."""
+    since, e.g. moved aside as corrupt, no longer holds it), as the study attribute. With
+    ``bucket`` and ``device``, a final whose table entry the runtime would skip (a damaged or
+    edited log: e.g. a winner outside the config space) is passed over, with one warning to
+    ``echo``; without a usable one the bucket is tuned again."""
     finals = [r for r in ResultLog.read(jsonl) if r.get("kind") == "final" and r.get("study") == name
               and r.get("ok") and FINAL_FIELDS <= r.keys()]
-    return {k: finals[-1][k] for k in FINAL_FIELDS} if finals else None
+    skipped = None
+    for rec in reversed(finals):
+        final = {k: rec[k] for k in FINAL_FIELDS}
+        why = None if bucket is None or device is None else final_problem(bucket, name, final, device)
+        if why is None:
+            break
+        skipped = skipped or why
+    else:
+        final = None
+    if skipped is not None and echo is not None:
+        echo(f"warning: {jsonl}: a final record of bucket {bucket.bucket} ({bucket.label}) is not reused: {skipped}"
+             + ("" if final is not None else "; tuning the bucket again"))
+    return final
 
 
 def _leader(trials: Sequence[optuna.trial.FrozenTrial], key: str) -> optuna.trial.FrozenTrial | None:
@@ -503,7 +519,7 @@ class Tuner:
         study = optuna.load_study(study_name=name, storage=self.storage, sampler=sampler)
         if created:
             study.set_user_attr("created_by", self.stamp)
-            final = final_from_log(self.paths.jsonl, name)
+            final = final_from_log(self.paths.jsonl, name, bucket, self.device, self.echo)
             if final is not None:
                 study.set_user_attr("final", final)  # carried into the new storage
         if self.on_study is not None and name not in self._reported:

@@ -11,7 +11,8 @@ whole line, fsynced, so workers of one host can share the file) before it is tol
 storage, so a crash between the two loses nothing. The process that starts a run (``tune``)
 holds an exclusive lock on ``<study storage>.tuner.lock`` from start to end: one run per storage.
 A study file that is not a database / journal any more is moved aside (the table and the log
-keep what was tuned).
+keep what was tuned), if the tuner recognises it as its own (``set_aside_if_damaged``); a journal
+storage is a path ending in ``.journal``.
 """
 
 from __future__ import annotations
@@ -65,6 +66,11 @@ class OutputPaths:
         return None
 
     @property
+    def default_storage(self) -> bool:
+        """The storage is the journal file the tuner names itself (no --storage, or the same path)."""
+        return self.storage == str((self.work_dir / f"{self.table.stem}_study.journal").resolve())
+
+    @property
     def lock(self) -> Path:
         """The run lock of the study storage: ``<file>.tuner.lock`` (not ``.lock``, which an
         Optuna journal file uses itself); for a database server, one per work folder and device."""
@@ -84,8 +90,16 @@ class StudyBusy(ToolError):
 def lock_study(paths: OutputPaths) -> filelock.FileLock:
     """Take the run lock of ``paths``' study storage without waiting; released by ``release()`` or
     when the process ends, a kill included (the file left behind blocks nothing). Raises
-    StudyBusy."""
-    paths.lock.parent.mkdir(parents=True, exist_ok=True)
+    StudyBusy, or StorageError where the lock file cannot be created (filelock would take that
+    for a lock held by another process)."""
+    try:
+        paths.lock.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(paths.lock, os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError as e:
+        above = next((d for d in paths.lock.parents if d.exists()), None)
+        why = f"{above} is not a folder" if above is not None and not above.is_dir() else e.strerror
+        raise StorageError(f"study storage {display_url(paths.storage)}: cannot create its run lock {paths.lock} "
+                           f"({why or e})") from None
     lock = filelock.FileLock(paths.lock)
     try:
         lock.acquire(timeout=0)
@@ -128,24 +142,47 @@ def move_storage_aside(path: Path) -> Path:
 
 def set_aside_if_damaged(paths: OutputPaths) -> tuple[Path, str] | None:
     """Move the study file of ``paths`` aside if it is no longer a database / journal (random
-    bytes, a torn record): (where it went, why), or None if it is fine, missing or a server."""
+    bytes, a torn record): (where it went, why), or None if it is fine, missing or a server.
+    Only a regular file the tuner recognises as its own is moved: the journal it names itself, or
+    a file that starts as its kind does (a journal record, SQLite's header); anything else (a
+    user's file given as --storage, a folder) raises StorageError and is left alone."""
     path = paths.storage_file
     if path is None or not path.exists():
         return None
-    problem = journal_problem(path) if is_journal(paths.storage) else sqlite_problem(path)
+    journal = is_journal(paths.storage)
+    problem = journal_problem(path) if journal else sqlite_problem(path)
     if problem is None:
         return None
+    if not (path.is_file() and (paths.default_storage or _starts_as_storage(path, journal))):
+        kind = "an Optuna journal" if journal else "an SQLite database"
+        raise StorageError(f"study storage {display_url(paths.storage)}: not {kind} ({problem}); a file the tuner "
+                           "does not recognise as its own is left alone: pass another --storage or move it away")
     return move_storage_aside(path), problem
 
 
+def _starts_as_storage(path: Path, journal: bool) -> bool:
+    """Whether the file at ``path`` starts as an Optuna journal (a first line that is a JSON
+    object with an "op_code") or an SQLite database (its 16-byte header) does."""
+    try:
+        with open(path, "rb") as f:
+            if not journal:
+                return f.read(16) == b"SQLite format 3\0"
+            record = json.loads(f.readline(1 << 20))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(record, dict) and "op_code" in record
+
+
 def is_journal(url: str) -> bool:
-    return url.endswith((".log", ".journal")) and "://" not in url
+    """A journal storage is a path ending in .journal (any other path is no storage)."""
+    return url.endswith(".journal") and "://" not in url
 
 
 def journal_problem(path: Path) -> str | None:
     """Why the journal file at ``path`` cannot be replayed (None: it can, or it is missing):
     every line must be a JSON object ending in a newline (Optuna would append after a torn last
-    line and damage the next record too)."""
+    line and damage the next record too), and Optuna must be able to replay every record (valid
+    JSON of an unknown operation, or naming a trial that does not exist, fails the replay)."""
     if path.exists() and not path.is_file():  # reading a FIFO would hang
         return "not a regular file"
     try:
@@ -161,7 +198,49 @@ def journal_problem(path: Path) -> str | None:
             return f"line {number} is not JSON"
         if not isinstance(record, dict) or "op_code" not in record:
             return f"line {number} is not an Optuna journal record"
+    return _replay_problem(path)
+
+
+def _replay_problem(path: Path) -> str | None:
+    """Why Optuna cannot replay the journal at ``path`` (whose lines are complete JSON objects),
+    naming the line of the first record it fails on; None if it can."""
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    class Counted:  # the backend, counting the records it hands to the replay
+        def __init__(self) -> None:
+            self.backend, self.read = JournalFileBackend(str(path)), 0
+
+        def read_logs(self, log_number_from: int):
+            for record in self.backend.read_logs(log_number_from):
+                self.read += 1
+                yield record
+
+    counted = Counted()
+    try:
+        JournalStorage(counted)
+    except OSError:
+        return None
+    except Exception as e:  # AssertionError "Should not reach.", KeyError 'trial_id', ...
+        return f"line {counted.read} is a record Optuna cannot replay: {type(e).__name__}: {e}"
     return None
+
+
+def check_url(url: str) -> None:
+    """StorageError unless ``url`` names a storage that keeps what is stored: a journal file, an
+    SQLite file or a database server (an in-memory SQLite database is gone with the process: no
+    resume, no other worker)."""
+    if is_journal(url):
+        return
+    if "://" not in url:
+        raise StorageError(f"study storage {url!r}: not a storage URL (sqlite:///FILE.db, "
+                           "postgresql://USER@HOST:PORT/DB) nor a journal file (a path ending in .journal)")
+    scheme, rest = url.split("://", 1)
+    if scheme.split("+", 1)[0] == "sqlite":  # sqlite:///FILE, sqlite+DRIVER:///FILE
+        path = rest.split("?", 1)[0]
+        if path in ("", "/", "/:memory:") or path.endswith("/"):
+            raise StorageError(f"study storage {url!r}: names no database file (an in-memory database "
+                               "keeps nothing to resume or share with other workers): give sqlite:///FILE.db")
 
 
 def display_url(url: str) -> str:
@@ -201,11 +280,12 @@ class Heartbeat:
 
 
 def open_storage(url: str, heartbeat: Heartbeat | None = None, stale_callback=None, must_exist: bool = False):
-    """An Optuna storage: a path ending in .journal / .log (journal file, no SQLAlchemy needed)
+    """An Optuna storage: a path ending in .journal (journal file, no SQLAlchemy needed)
     or an RDB URL (sqlite:///file.db, postgresql://user@host:port/db). ``heartbeat`` enables
     Optuna's heartbeats on RDB storages, with ``stale_callback(study, trial)`` called for each
     trial failed as stale. ``must_exist``: a storage file that does not exist is an error (a
     worker joins an existing job) instead of being created. Raises StorageError."""
+    check_url(url)
     if is_journal(url):
         path = Path(url)
         if must_exist and not path.is_file():
@@ -216,11 +296,11 @@ def open_storage(url: str, heartbeat: Heartbeat | None = None, stale_callback=No
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             return JournalStorage(JournalFileBackend(str(path)))
-        except (OSError, ValueError) as e:
+        except OSError as e:
             raise StorageError(f"study storage {url}: cannot read the journal ({e})") from None
-    if "://" not in url:
-        raise StorageError(f"study storage {url!r}: not a storage URL (sqlite:///FILE.db, "
-                           "postgresql://USER@HOST:PORT/DB) nor a journal file (a path ending in .journal)")
+        except Exception as e:  # not JSON, or a record Optuna cannot replay (AssertionError, KeyError, ...)
+            why = journal_problem(path) or f"{type(e).__name__}: {e}"
+            raise StorageError(f"study storage {url}: cannot read the journal ({why})") from None
     shown = display_url(url)
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):])

@@ -252,14 +252,35 @@ def _nonblocking(path: str, flags: int) -> int:
     return os.open(path, flags | getattr(os, "O_NONBLOCK", 0))
 
 
-def _unusable(path: str, reason: str, device: DeviceProperties | None, replace: bool = True) -> str:
-    """Warn once that the file at ``path`` is unusable; ``replace``: re-tuning would replace it."""
+# How a table file starts (table_writer writes format_version first): a file cut short still does.
+_TABLE_START = re.compile(rb'\s*\{\s*"format_version"\s*:')
+
+
+def _not_a_table(raw: bytes) -> str | None:
+    """Why ``raw``, which is no valid table, is not meant to be one either (None: it is: a JSON
+    object with a format_version, or, not JSON, a file that starts as a table does, e.g. cut short)."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        return None if _TABLE_START.match(raw) else f"not JSON: {e}"
+    return None if isinstance(data, dict) and "format_version" in data else "JSON without a format_version"
+
+
+def _unusable(path: str, reason: str, device: DeviceProperties | None, replace: bool = True,
+              table_like: bool = True) -> str:
+    """Warn once that the file at ``path`` is unusable; ``replace``: re-tuning would replace it;
+    ``table_like``: it is meant to be a table (else it is no business of tsdecode's, e.g. another
+    tool's JSON file or a device given as the path: it is only said to be ignored)."""
     device = device or device_properties()
     if replace and os.path.basename(path) == table_filename(device.name):
-        advice = f"Re-tune with {tune_advice(device, path)}"
+        message = f"tuned config table {path} is unusable ({reason}); ignored. Re-tune with {tune_advice(device, path)}"
+    elif table_like:
+        message = (f"tuned config table {path} is unusable ({reason}); ignored. Delete it; this device's table comes "
+                   f"from {tune_advice(device, path)}")
     else:
-        advice = f"Delete it; this device's table comes from {tune_advice(device, path)}"
-    warn_once(("unusable", path), f"tuned config table {path} is unusable ({reason}); ignored. {advice}")
+        message = (f"{path} is not a tsdecode config table ({reason}); ignored. This device's table comes from "
+                   f"{tune_advice(device)}")
+    warn_once(("unusable", path), message)
     return reason
 
 
@@ -276,20 +297,24 @@ def _read(path: str, device: DeviceProperties | None) -> tuple[Table | None, str
     # A file changed within the filesystem's timestamp resolution of now could change again
     # under the same key: such a read is not cached (as git treats a "racily clean" index).
     racy = time.time_ns() - st.st_mtime_ns < _RACY_NS
-    table, problem = None, None
+    table, problem, raw = None, None, b""
     try:
         if not stat.S_ISREG(st.st_mode):  # reading a FIFO or a device could block every plan
-            problem = _unusable(path, f"not a regular file but {_file_kind(st.st_mode)}", device, replace=False)
+            problem = _unusable(path, f"not a regular file but {_file_kind(st.st_mode)}", device, replace=False,
+                                table_like=False)
         else:
             with open(path, "rb", opener=_nonblocking) as f:
-                table = parse_table(path, json.loads(f.read()))
+                raw = f.read()
+            table = parse_table(path, json.loads(raw))
     except OSError as e:
         problem = f"cannot be read: {e}"
         warn_once(("unusable", path), f"tuned config table {path} cannot be read ({e}); ignored")
     except (ValueError, RecursionError) as e:  # JSON, UTF-8, format
-        problem = _unusable(path, str(e), device)
+        other = _not_a_table(raw)  # e.g. another tool's JSON file in the folder
+        problem = _unusable(path, other or str(e), device, table_like=other is None)
     except Exception as e:  # noqa: BLE001 - a table must never break a plan
-        problem = _unusable(path, repr(e), device)
+        other = _not_a_table(raw)
+        problem = _unusable(path, other or repr(e), device, table_like=other is None)
     if not racy:
         with _lock:
             _tables[path] = (key, (table, problem))

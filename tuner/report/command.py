@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..arguments import Parser, UsageError, nonnegative_float, positive_float, positive_int
+from ..arguments import Parser, UsageError, bounded, nonnegative_float, positive_int, replay_ms
 from ..files import atomic_write_text
 from ..grids import add_grid_arguments
 from . import impls as I
@@ -41,14 +41,14 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated implementations (default all): " + "; ".join(
                        f"{name}: {impl.description}" for name, impl in I.IMPLS.items()))
     g.add_argument("--device", default=None, help="cuda (default when available) or cpu (interpreter)")
-    g.add_argument("--replay-ms", type=positive_float, default=80.0,
+    g.add_argument("--replay-ms", type=replay_ms, default=80.0,
                    help="CUDA-graph replay time per measurement (default %(default)s)")
     g.add_argument("--cpu-repeats", type=positive_int, default=1,
                    help="timed calls per case on CPU (default %(default)s)")
     g.add_argument("--check-requests", type=positive_int, default=2,
                    help="requests compared with the float64 reference per shape (the first N, at least 1; "
                         "default %(default)s)")
-    g.add_argument("--copy-gib", type=positive_float, default=2.0,
+    g.add_argument("--copy-gib", type=bounded(float, 0, strict=True, maximum=1024), default=2.0,
                    help="buffer size of the copy-bandwidth test in GiB (default %(default)s)")
     g.add_argument("--budget-s", type=nonnegative_float, default=None, metavar="SECONDS",
                    help="start no new shape after this many seconds (the rest: skipped rows)")
