@@ -654,7 +654,9 @@ def test_an_interrupt_while_torch_imports_exits_130_without_a_traceback(tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 130, err
+    # 130, or (now and then, when the interrupt lands inside torch's import) CPython ending the
+    # process by SIGINT after main returned: a shell reports both as status 130.
+    assert proc.returncode in (130, -signal.SIGINT), err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err and "interrupted" in err, err
 
 
