@@ -140,7 +140,8 @@ def _finished(s: optuna.Study):
 
 
 def _check_log_matches_storage(work: Path) -> None:
-    """Every finished trial is in the log once, and no fitted config was measured twice."""
+    """Every finished trial is in the log once, and no fitted config was measured twice (but for a
+    timeout measured again under a larger --trial-timeout)."""
     recs = _records(work)
     pairs = [(r["study"], r["trial"]) for r in recs]
     assert len(pairs) == len(set(pairs)), "a trial was logged twice"
@@ -152,7 +153,8 @@ def _check_log_matches_storage(work: Path) -> None:
             assert logged[t.number]["state"] == t.state.name
             if t.state.name == "COMPLETE":
                 assert logged[t.number]["time_us"] == pytest.approx(t.value)
-        keys = [r["key"] for r in logged.values() if r["measured"]]
+        again = tuner_buckets.retried(s.trials)
+        keys = [r["key"] for r in logged.values() if r["measured"] and r["trial"] not in again]
         assert len(keys) == len(set(keys)), "a fitted config was measured twice"
 
 
@@ -1010,6 +1012,53 @@ def test_a_default_interrupted_mid_measurement_is_measured_first_by_the_rerun(tm
     (entries,) = tables.load_table(study.OutputPaths.for_device(CPU.name, out).table).entries.values()
     (entry,) = entries.values()
     assert entry.default_time_us / entry.time_us == pytest.approx(1.5)
+    _check_log_matches_storage(out)
+
+
+@cpu_only
+def test_a_config_that_ran_past_the_trial_timeout_is_measured_again_under_a_larger_one(tmp_path):
+    """A prune for running past --trial-timeout is a verdict on the timeout, not on the config: a
+    rerun with a larger timeout measures it again (here every config, the default included: the
+    bucket found no valid config, and the rerun tunes it); one with the same or a smaller timeout
+    leaves it pruned (no endless retries)."""
+    out = tmp_path / "slow"
+    spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    limits = dict(block_n=(16, 64), block_m=(16,), num_kv_splits=(1,), num_warps=(4,), num_stages=(2,))
+    assert _grid_trials(spec, **limits) == 2  # the default and one other config
+    args = [*TINY, "--block-n", "16,64", "--block-m", "16", "--num-kv-splits", "1", "--num-warps", "4",
+            "--num-stages", "2", "--trials", "2", "--out", str(out), "--isolation", "process", "--compile-workers",
+            "0", *FAST]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "TRITON_INTERPRET": "1"}
+
+    def tune(*extra):  # in a process of its own under a deadline: a hang fails, not hangs
+        try:
+            return subprocess.run([sys.executable, "-m", "tuner", *args, *extra], cwd=REPO, env=env,
+                                  capture_output=True, text=True, timeout=180)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"the run did not finish: {(e.stderr or b'')[-2000:]!r}")
+
+    measured = lambda: [r for r in _records(out) if r["measured"]]  # noqa: E731
+    r = tune("--trial-timeout", "1e-9")  # every config times out, the default included
+    assert r.returncode == 1 and "0/1 buckets tuned" in r.stderr, r.stderr[-4000:]
+    assert [r["state"] for r in measured()] == ["PRUNED", "PRUNED"]
+    r = tune("--trial-timeout", "1e-9")  # the same timeout: nothing is measured again
+    assert r.returncode == 1 and "0/1 buckets tuned" in r.stderr, r.stderr[-4000:]
+    assert len(measured()) == 2
+    r = tune()  # the default timeout: the same command measures both configs again and tunes the bucket
+    assert r.returncode == 0 and "1/1 buckets tuned" in r.stderr, r.stderr[-4000:]
+    first, again = measured()[:2], measured()[2:]
+    assert all(r["prune_reason"].startswith("timeout") and r["timeout_s"] == 1e-9 for r in first)
+    assert sorted(r["key"] for r in again) == sorted(r["key"] for r in first)
+    assert all(r["state"] == "COMPLETE" and r["timeout_s"] is None for r in again)
+    assert [r["is_default"] for r in again].count(True) == 1
+    final = _records(out, "final")[-1]
+    assert final["ok"] and final["measured"] == 2 and final["pruned"] == 0 and "not measured" not in final["note"]
+    (entries,) = tables.load_table(study.OutputPaths.for_device(CPU.name, out).table).entries.values()
+    assert list(entries) == [tables.bucket_of(1, 40)]
+    r = tune("--trial-timeout", "1e-9")  # a smaller timeout again: the bucket is done
+    assert r.returncode == 0 and "already tuned (2 configs measured)" in r.stderr, r.stderr[-4000:]
+    assert len(measured()) == 4
     _check_log_matches_storage(out)
 
 

@@ -189,8 +189,27 @@ def final_of(study_attrs: dict[str, Any], trials: int) -> dict[str, Any] | None:
 
 
 def measured_trials(trials: Iterable) -> list:
-    """The finished trials that measured their fitted config (not duplicates of another)."""
-    return [t for t in trials if t.state.is_finished() and t.user_attrs.get("measured")]
+    """The finished trials that measured their fitted config (not duplicates of another, nor
+    timed out and measured again: ``retried``)."""
+    trials = list(trials)
+    again = retried(trials)
+    return [t for t in trials if t.state.is_finished() and t.user_attrs.get("measured") and t.number not in again]
+
+
+def timed_out_under(trial) -> float | None:
+    """The --trial-timeout (seconds) a measured trial was pruned for running past; None if it
+    was not (measured, or pruned for another reason)."""
+    if trial.state.name != "PRUNED" or not trial.user_attrs.get("measured"):
+        return None
+    return (trial.user_attrs.get("result") or {}).get("timeout_s")
+
+
+def retried(trials: Iterable) -> set[int]:
+    """The numbers of the trials pruned for running past --trial-timeout whose config a run with a
+    larger timeout queued again (its trial's ``timeout_retry_of``): while that trial is queued,
+    running or finished (not failed), its result stands for theirs."""
+    return {t.user_attrs["timeout_retry_of"] for t in trials
+            if t.user_attrs.get("timeout_retry_of") is not None and t.state.name != "FAIL"}
 
 
 def summary_table(results: Sequence[BucketResult]) -> str:

@@ -63,7 +63,7 @@ def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool, run: bool = True) 
                             "GPU), GPU indices like 0,1,3, or cpu:N (N interpreter workers, without a GPU)")
     m.add_argument("--trial-timeout", type=seconds_up_to_a_week, default=900.0 if cpu else 300.0, metavar="SECONDS",
                    help="per-candidate limit; a candidate past it is pruned and the measuring process restarted "
-                        "(default 300, on the CPU 900)")
+                        "(a rerun with a larger limit measures it again; default 300, on the CPU 900)")
     m.add_argument("--replay-ms", type=replay_ms, default=80.0,
                    help="CUDA-graph replay time per measurement (default %(default)s)")
     m.add_argument("--check-requests", type=positive_int, default=2,

@@ -67,13 +67,15 @@ class CandidateFailed(Exception):
     """A candidate config failed; ``reason`` is recorded as the trial's prune reason.
 
     fatal: the measuring process is unusable afterwards (poisoned CUDA context, dead worker,
-    timeout) and was (or must be) restarted.
+    timeout) and was (or must be) restarted. timeout: the limit in seconds the request ran past
+    (None: it failed otherwise); a larger limit may let it finish.
     """
 
-    def __init__(self, reason: str, fatal: bool = False) -> None:
+    def __init__(self, reason: str, fatal: bool = False, timeout: float | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.fatal = fatal
+        self.timeout = timeout
 
 
 class WorkerUnavailable(RuntimeError):
@@ -487,7 +489,8 @@ class WorkerClient:
             self.conn.send(msg)
             if not self.conn.poll(timeout):
                 self._kill()
-                raise CandidateFailed(f"timeout: no result after {timeout:.0f} s (worker killed)", fatal=True)
+                raise CandidateFailed(f"timeout: no result after {timeout:.0f} s (worker killed)", fatal=True,
+                                      timeout=timeout)
             reply = self.conn.recv()
         except (EOFError, OSError):
             if self.proc is not None:

@@ -29,6 +29,11 @@ study; a RUNNING trial whose worker died (a dead process of this host, or an RDB
 than the grace period) is completed from the log when it has the result, else failed and queued
 again (the default's before any other queued trial, and its bucket is not finalised until it is
 measured); a bucket whose final record is in the log is not tuned again.
+
+Timeouts: a config pruned for running past --trial-timeout (its result's ``timeout_s``) is queued
+again by a run with a larger timeout (``timeout_retry_of``), ahead of other queued trials; while
+that trial is queued, running or finished, the timed-out one counts for nothing (``retried``) and
+the bucket's final, if any, is written again when it is measured.
 """
 
 from __future__ import annotations
@@ -58,14 +63,17 @@ from tsdecode.config import tables
 from tsdecode.config.space import ProblemShape, fit_config
 from tsdecode.device import DeviceProperties
 
-from .buckets import Bucket, BucketResult, TuneSettings, bucket_space, final_of, final_problem, measured_trials
+from .buckets import (
+    Bucket, BucketResult, TuneSettings, bucket_space, final_of, final_problem, measured_trials, retried,
+    timed_out_under,
+)
 from .measure import geomean
 from .runner import CandidateFailed, CompilePool
 from .space import (
     SPACE_FIELDS, base_programs, config_text, seed_configs, space_size,
 )
 from .study import (
-    Heartbeat, OutputPaths, ResultLog, pop_waiting, queue_lock, retry_trial, stamp_alive, worker_stamp,
+    Heartbeat, OutputPaths, ResultLog, pop_waiting, queue_lock, retry_trial, stamp_alive, trial_params, worker_stamp,
     write_trials_csv,
 )
 
@@ -202,7 +210,9 @@ FINAL_FIELDS = frozenset((
     "ok", "winner", "time_us", "bandwidth_gbs", "fraction_of_copy", "default", "default_time_us",
     "default_bandwidth_gbs", "kept_default", "noise", "trials_budget", "measured", "pruned", "note",
 ))
-RESULT_FIELDS = ("bandwidth_gbs", "fraction_of_copy", "rel_err", "per_spec", "compile_s", "plan_s", "measure_s")
+# timeout_s: the --trial-timeout a pruned candidate ran past (a run with a larger one measures it again).
+RESULT_FIELDS = ("bandwidth_gbs", "fraction_of_copy", "rel_err", "per_spec", "compile_s", "plan_s", "measure_s",
+                 "timeout_s")
 
 
 def final_from_log(jsonl: Path, name: str, bucket: Bucket | None = None, device: DeviceProperties | None = None,
@@ -231,10 +241,12 @@ def final_from_log(jsonl: Path, name: str, bucket: Bucket | None = None, device:
 
 def _leader(trials: Sequence[optuna.trial.FrozenTrial], key: str) -> optuna.trial.FrozenTrial | None:
     """The trial that measures fitted config ``key``: the smallest-numbered trial with that key
-    that is queued, running or measured (failed trials and recorded duplicates do not count)."""
+    that is queued, running or measured (failed trials, recorded duplicates and timeouts queued
+    again under a larger timeout do not count)."""
     best = None
+    again = retried(trials)
     for t in trials:
-        if t.user_attrs.get("key") != key or t.state == TrialState.FAIL:
+        if t.user_attrs.get("key") != key or t.state == TrialState.FAIL or t.number in again:
             continue
         if t.state.is_finished() and not t.user_attrs.get("measured"):
             continue
@@ -460,7 +472,15 @@ class Tuner:
         study = self._open_study(bucket, name, use_grid)
         final = final_of(study.user_attrs, s.trials)
         earlier = None  # a final this run searches on from
-        if final and final.get("ok"):
+        trials = study.get_trials(deepcopy=False)
+        again = self._timed_out(trials)
+        if final and (again or self._retrying(trials)):
+            if again and not quiet:
+                self.echo(f"  {len(again)} config(s) ran past a smaller --trial-timeout "
+                          f"({', '.join(sorted({f'{timed_out_under(t):g} s' for t in again}))}) in an earlier run: "
+                          f"measuring them again with {s.trial_timeout:g} s")
+            earlier = final
+        elif final and final.get("ok"):
             if quiet or use_grid or not self._cut_short(study, final):
                 return self._resume_final(bucket, name, final, quiet)
             self.echo(f"  an earlier run's time budget stopped it at {final['measured']} of {s.trials} configs: "
@@ -471,6 +491,7 @@ class Tuner:
             return BucketResult.from_final(bucket, name, final)
         self._seed(study, bucket, name, space, default, use_grid)
         self._recover(study, name)
+        self._queue_timed_out(study)
         default_key = config_text(default)
         trials = study.get_trials(deepcopy=False)
         if _leader(trials, default_key) is None:  # e.g. its trial failed with no retries left
@@ -574,11 +595,30 @@ class Tuner:
     @staticmethod
     def _cache_from_storage(study: optuna.Study) -> dict[str, Outcome]:
         cache = {}
-        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)):
-            ua = t.user_attrs
-            if ua.get("measured") and "key" in ua and ua["key"] not in cache:
-                cache[ua["key"]] = _outcome(t)
+        for t in measured_trials(study.get_trials(deepcopy=False)):
+            if "key" in t.user_attrs and t.user_attrs["key"] not in cache:
+                cache[t.user_attrs["key"]] = _outcome(t)
         return cache
+
+    def _timed_out(self, trials) -> list[optuna.trial.FrozenTrial]:
+        """The measured trials pruned for running past a --trial-timeout smaller than this run's
+        (not queued again yet): this run measures their configs again. One pruned under the same
+        or a larger timeout stays pruned."""
+        return [t for t in measured_trials(trials)
+                if (limit := timed_out_under(t)) is not None and limit < self.s.trial_timeout]
+
+    @staticmethod
+    def _retrying(trials) -> bool:
+        """A config that timed out is queued or running again: the bucket's final is out of date."""
+        return any(t.user_attrs.get("timeout_retry_of") is not None and not t.state.is_finished() for t in trials)
+
+    def _queue_timed_out(self, study: optuna.Study) -> None:
+        """Queue again, with their fitted config, the configs that timed out under a smaller
+        --trial-timeout (``timeout_retry_of``: the trial whose result the new one replaces)."""
+        with queue_lock(self.storage_url):
+            for t in self._timed_out(study.get_trials(deepcopy=False)):
+                attrs = {k: t.user_attrs[k] for k in ("key", "config", "adjustments") if k in t.user_attrs}
+                study.enqueue_trial(trial_params(t), user_attrs={**attrs, "timeout_retry_of": t.number})
 
     def _complete(self, study: optuna.Study, use_grid: bool, default_key: str) -> bool:
         """Every trial finished and nothing more to search: the grid's queue is empty, the
@@ -613,11 +653,16 @@ class Tuner:
 
     def _take(self, study: optuna.Study, dists, use_grid: bool, default_key: str) -> optuna.Trial | None:
         """The next trial for this worker: the default's if it is queued (one queued again after
-        an interrupt waits behind the seeds, which may use up the budget), else a queued one,
-        else (TPE) a new sample; None when a grid's queue is empty."""
+        an interrupt waits behind the seeds, which may use up the budget), else a config queued
+        again after a timeout (likewise), else a queued one, else (TPE) a new sample; None when a
+        grid's queue is empty."""
         with queue_lock(self.storage_url):
-            leader = _leader(study.get_trials(deepcopy=False), default_key)
+            trials = study.get_trials(deepcopy=False)
+            leader = _leader(trials, default_key)
             first = leader.number if leader is not None and leader.state == TrialState.WAITING else None
+            if first is None:
+                first = next((t.number for t in trials if t.state == TrialState.WAITING
+                              and t.user_attrs.get("timeout_retry_of") is not None), None)
             trial_id = pop_waiting(study, first) if use_grid or first is not None else None
             if trial_id is None and not use_grid:
                 trial = study.ask(dists)  # takes a queued trial first
@@ -662,8 +707,9 @@ class Tuner:
                     # The budget: configs measured or being measured, by any worker; the default is
                     # measured whatever it says (taken first, also when queued again).
                     if not use_grid and self._default_started(trials, default_key):
-                        claimed = {t.user_attrs.get("key") for t in trials if t.user_attrs.get("key") and (
-                            t.state == TrialState.RUNNING or (t.state.is_finished() and t.user_attrs.get("measured")))}
+                        claimed = {t.user_attrs.get("key") for t in measured_trials(trials)} | {
+                            t.user_attrs.get("key") for t in trials if t.state == TrialState.RUNNING}
+                        claimed.discard(None)
                         told = sum(1 for t in trials if t.state in (TrialState.COMPLETE, TrialState.PRUNED))
                         if len(claimed) >= s.trials:
                             asking = False
@@ -835,7 +881,8 @@ class Tuner:
         try:
             r = self.client.call("measure", timeout=self.s.trial_timeout, specs=list(bucket.specs), config=p.config)
         except CandidateFailed as e:
-            return Outcome(p.key, p.config, "PRUNED", None, e.reason, p.trial.number, {"compile_s": compile_s})
+            return Outcome(p.key, p.config, "PRUNED", None, e.reason, p.trial.number,
+                           {"compile_s": compile_s, "timeout_s": e.timeout})
         self.plan_s += r["plan_s"]
         self.measured_now += 1
         result = {**{k: r[k] for k in ("bandwidth_gbs", "rel_err", "per_spec", "plan_s", "measure_s")},

@@ -448,7 +448,8 @@ def retry_trial(study: optuna.Study, trial, why: str) -> int | None:
     retries = int(trial.user_attrs.get("retries", 0))
     if retries >= MAX_RETRIES:
         return None
-    attrs = {k: trial.user_attrs[k] for k in ("key", "config", "adjustments") if k in trial.user_attrs}
+    attrs = {k: trial.user_attrs[k] for k in ("key", "config", "adjustments", "timeout_retry_of")
+             if k in trial.user_attrs}
     attrs.update(retry_of=trial.number, retries=retries + 1, retry_reason=why)
     study.enqueue_trial(params, user_attrs=attrs)
     return next((t.number for t in reversed(study.get_trials(deepcopy=False))
@@ -520,8 +521,8 @@ def write_trials_csv(jsonl: Path, csv: Path) -> int:
             rows.append({
                 **base, "trial": rec.get("trial"), "state": rec.get("state"), **fields,
                 **{k: rec.get(k) for k in ("time_us", "bandwidth_gbs", "fraction_of_copy", "rel_err", "measured",
-                                           "duplicate_of", "prune_reason", "compile_s", "plan_s", "measure_s",
-                                           "is_default")},
+                                           "duplicate_of", "prune_reason", "timeout_s", "compile_s", "plan_s",
+                                           "measure_s", "is_default")},
                 "specs": specs, "sampled": json.dumps(rec.get("params")),
             })
         elif kind == "retime":
