@@ -22,7 +22,7 @@ import sys
 
 from .arguments import PROG, Parser, ToolError, UsageError
 from .parsers import build_parser, empty_value, unknown_flags
-from .run import _interrupted, interrupts_stop_the_run, run_create, run_export, run_tune, run_worker
+from .run import interrupts_stop_the_run, is_interrupt, run_create, run_export, run_tune, run_worker
 
 SUBCOMMANDS = ("tune", "worker", "export", "create", "explain", "report")
 # What the tune subcommand needs beyond the runtime: the "tune" extra.
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         with interrupts_stop_the_run():
             return _main(list(sys.argv[1:] if argv is None else argv))
     except BaseException as e:  # Ctrl-C or SIGTERM where no subcommand handles it (importing torch, ...)
-        if not _interrupted(e):
+        if not is_interrupt(e):
             raise
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

@@ -284,7 +284,7 @@ def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequ
     try:
         return _write_and_report(storage, job, paths, results, t_start, cpu, extra, grid)
     except BaseException as e:
-        if not _interrupted(e):
+        if not is_interrupt(e):
             raise
         echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
         return 130
@@ -352,7 +352,7 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _interrupted(e: BaseException) -> bool:
+def is_interrupt(e: BaseException) -> bool:
     """``e`` ends the run as an interrupt: a KeyboardInterrupt, or whatever a library's cleanup
     raised in its place (Optuna's journal lock, interrupted in ``release``, raises
     FileNotFoundError) once a signal came."""
@@ -500,7 +500,7 @@ def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: b
             lock.release()
         return 1
     except BaseException as e:
-        interrupted = _interrupted(e)
+        interrupted = is_interrupt(e)
         if interrupted:
             _stopping()
             if client is not None:
@@ -638,7 +638,7 @@ def run_worker(args, device: str) -> int:
         say(f"{PROG}: error: {e}")
         return 1
     except BaseException as e:
-        if not _interrupted(e):
+        if not is_interrupt(e):
             raise
         _stopping(say=say, what="the measuring process")
         if client is not None:
