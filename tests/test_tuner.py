@@ -811,8 +811,8 @@ def test_a_journal_record_optuna_cannot_replay_is_damage_too(record, why, smoke,
 def test_a_final_record_whose_entry_the_runtime_would_skip_is_not_reused(tmp_path, capsys):
     """A ``final`` in the log with a winner outside the space (an edited or damaged log), reused after
     the study storage is gone: passed over with one warning and its bucket tuned again; the table
-    holds every bucket. A bad final in the storage itself: export leaves that bucket out with one
-    warning and writes the others."""
+    holds every bucket. A bad final in the storage itself (a winner outside the space, a field
+    missing): export leaves that bucket out with one warning and writes the others."""
     out = tmp_path / "out"
     argv = [*TINY, "--batch-sizes", "1,3", "--trials", "2", "--out", str(out), "--isolation", "inline", *FAST]
     assert main(argv) == 0
@@ -848,6 +848,13 @@ def test_a_final_record_whose_entry_the_runtime_would_skip_is_not_reused(tmp_pat
     assert err.count("warning:") == 1 and "its final in the study storage is not written to the table" in err, err
     assert "got 7" in err and "Traceback" not in err
     (exported,) = (tmp_path / "export").glob("*.json")
+    assert sum(len(b) for b in tables.load_table(exported).entries.values()) == 1
+    # a final missing a field: left out the same way, no KeyError
+    s.set_user_attr("final", {k: v for k, v in s.user_attrs["final"].items() if k != "time_us"})
+    assert main(["export", "--storage", str(journal), "--job", job, "--out", str(tmp_path / "export2")]) == 0
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "not a final record (KeyError: 'time_us')" in err, err
+    (exported,) = (tmp_path / "export2").glob("*.json")
     assert sum(len(b) for b in tables.load_table(exported).entries.values()) == 1
 
 

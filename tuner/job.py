@@ -291,7 +291,7 @@ class Export:
     table: Path | None  # written, or None (nothing final yet)
 
 
-def _results(storage, job: Job) -> list[BucketResult]:
+def _results(storage, job: Job, warn: Callable[[str], None]) -> list[BucketResult]:
     names = study_names(storage, job)
     results = []
     for bucket in job.buckets:
@@ -299,7 +299,13 @@ def _results(storage, job: Job) -> list[BucketResult]:
         study = _study(storage, name) if name else None
         final = final_of(study.user_attrs, job.settings.trials) if study is not None else None
         if final:
-            results.append(BucketResult.from_final(bucket, name, final))
+            try:
+                results.append(BucketResult.from_final(bucket, name, final))
+            except (KeyError, TypeError, ValueError) as e:  # a damaged storage
+                why = f"not a final record ({type(e).__name__}: {e})"
+                warn(f"warning: bucket {bucket.bucket} of {bucket.class_key}: its final in the study storage is not "
+                     f"written to the table ({why})")
+                results.append(BucketResult(bucket, name, False, note=f"final not usable: {why}"))
         else:
             measured = 0 if study is None else len(measured_trials(study.get_trials(deepcopy=False)))
             results.append(BucketResult(bucket, name or "", False, measured=measured, pending=True))
@@ -321,13 +327,14 @@ def export(storage, job: Job, table_dir: Path, warn: Callable[[str], None] | Non
     identity = pinned(storage, job.name)
     if identity is None:
         return Export([BucketResult(b, "", False, pending=True) for b in job.buckets], None)
-    results = _results(storage, job)
+    warn = warn or (lambda msg: None)
+    results = _results(storage, job, warn)
     entries: dict[str, dict[tuple[int, int], TableEntry]] = {}
     for i, r in enumerate(results):
         if r.ok:
             why = entry_problem(r, identity.device)
             if why is not None:
-                (warn or (lambda msg: None))(f"warning: bucket {r.bucket.bucket} of {r.bucket.class_key}: its final in "
+                warn(f"warning: bucket {r.bucket.bucket} of {r.bucket.class_key}: its final in "
                                              f"the study storage is not written to the table ({why})")
                 results[i] = BucketResult(r.bucket, r.study_name, False, measured=r.measured, pruned=r.pruned,
                                           note=f"final not usable: {why}")
