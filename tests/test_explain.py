@@ -126,6 +126,10 @@ def test_explain_on_the_cpu_names_the_cpu():
     (dict(q_dtype="bfloat16"), TypeError, "q_dtype"),
     (dict(kv_dtype=torch.float32), NotImplementedError, "kv_dtype"),
     (dict(o_dtype=torch.int8), NotImplementedError, "o_dtype"),
+    (dict(device="tpu:0"), ValueError, "device 'tpu:0' is not a device"),
+    (dict(device=True), TypeError, "device must be an int, str or torch.device"),
+    pytest.param(dict(device="cuda"), ValueError, "device cuda is a CUDA device, but torch finds none",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here")),
 ])
 def test_explain_argument_errors_name_the_argument(kwargs, error, name):
     args = dict(batch_size=4, kv_len=1000, num_qo_heads=32, num_kv_heads=8, head_dim=128)

@@ -28,6 +28,8 @@ def explain(batch_size: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, 
     packed = V.require_bool("packed", packed)
     _, window_left = V.validate_mask(mask_type, window_left)
     q_dtype, kv_dtype, o_dtype = V.resolve_dtypes(q_dtype, kv_dtype, o_dtype, ("q_dtype", "kv_dtype", "o_dtype"))
+    if device is not None:  # any CPU will do: only its properties are described
+        device = V.validate_device(device, interpreter=True)
     props = device_properties(device)
     shape = ProblemShape(
         batch_size=batch_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
