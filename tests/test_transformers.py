@@ -169,6 +169,11 @@ def test_enable_refuses_what_tsdecode_cannot_run():
         tsdecode_transformers.enable(model)
 
 
+def test_enable_refuses_a_module_that_is_no_transformers_model():
+    with pytest.raises(TypeError, match="model must be a transformers model .* got Linear"):
+        tsdecode_transformers.enable(torch.nn.Linear(2, 2))
+
+
 def test_enable_refuses_a_model_whose_attention_takes_no_sdpa():
     """Gemma2 (logit softcapping) refuses transformers' sdpa, through which tsdecode's decode runs:
     NotImplementedError naming the model, and the model left as it was."""

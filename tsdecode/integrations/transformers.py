@@ -78,9 +78,13 @@ def register() -> str:
 def enable(model: torch.nn.Module) -> None:
     """Run the decode steps of ``model.generate_batch`` (continuous batching) through tsdecode.
 
-    Raises NotImplementedError where tsdecode cannot run the model's attention (head dim, dtype,
-    device), RuntimeError on an unsupported transformers version.
+    Raises TypeError for a module that is no transformers model, NotImplementedError where
+    tsdecode cannot run the model's attention (head dim, dtype, device), RuntimeError on an
+    unsupported transformers version.
     """
+    if not hasattr(model, "config") or not hasattr(model, "set_attn_implementation"):
+        raise TypeError(f"model must be a transformers model (a PreTrainedModel, with .config), got "
+                        f"{type(model).__name__}")
     api = register()
     _check_geometry(model)
     previous = model.config._attn_implementation
