@@ -26,6 +26,8 @@ Rows (S = splits of the explicit config block_n 16, block_m 16, 1 warp, 3 stages
   plan, new lengths               plan(...) cycling through four length lists (a new spread
                                   and max each call, as at every decode step)
   plan, not shared                plan(...) with the kernels plans share forgotten first
+  plan, config selected           plan(...) with no explicit config, as an engine plans: the
+                                  table search and the config model as well
   plan's compile step, shared / warmup   DecodeLaunch.compile alone, kernels shared or forgotten
   one-shot / one-shot, capturable   batch_decode_with_paged_kv_cache(..., out=) reading the
                                   lengths on the host / with workspace_buffer, max_kv_len and
@@ -38,14 +40,23 @@ Rows (S = splits of the explicit config block_n 16, block_m 16, 1 warp, 3 stages
 cache, out=)`` or the FlashInfer one) and times its run, plan and one-shot rows in the same
 rounds, printed beside this tree's; its run is set against this tree's run(validate=False, out=).
 
-Usage: python scripts/host_overhead.py [--calls 300] [--repeats 9] [--other /path/to/tree]
+--as-device TABLE.json describes the device as that table's GPU, so a CPU run's plans search the
+tables and choose configs as that GPU's do (its shipped table is found). --rows REGEX times only the rows whose name it finds. On the CPU the rows that launch kernels time
+Triton's interpreter, but the plan rows (``--rows '^plan[ ,]'``) time the same Python path as on a
+GPU host, less its CUDA calls (allocations, the compile step).
+
+Usage: python scripts/host_overhead.py [--calls 300] [--repeats 9] [--other /path/to/tree] [--rows REGEX] [--as-device TABLE.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
+import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -196,7 +207,12 @@ def oneshot_rows(s, dev, plan_n: int) -> list:
         SPEC.batch_size, SPEC.num_qo_heads, SPEC.num_kv_heads, SPEC.head_dim, SPEC.page_size, SPEC.kv_len,
         q_dtype=q.dtype, device=dev)
     workspace = torch.empty(max(size, 256), dtype=torch.uint8, device=dev)
-    return [("one-shot", lambda: tsdecode.batch_decode_with_paged_kv_cache(q, cache, bt, seq_lens, out=out), plan_n),
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    lens = seq_lens.tolist()
+    return [("plan, config selected", lambda: w.plan(dev, SPEC.batch_size, SPEC.num_qo_heads, SPEC.num_kv_heads,
+                                                     SPEC.head_dim, SPEC.page_size, SPEC.kv_len, seq_lens=lens,
+                                                     q_data_type=q.dtype), plan_n),
+            ("one-shot", lambda: tsdecode.batch_decode_with_paged_kv_cache(q, cache, bt, seq_lens, out=out), plan_n),
             ("one-shot, capturable", lambda: tsdecode.batch_decode_with_paged_kv_cache(
                 q, cache, bt, seq_lens, out=out, workspace_buffer=workspace, max_kv_len=SPEC.kv_len,
                 validate=False), plan_n)]
@@ -212,19 +228,21 @@ def other_tree_rows(module, s, splits: int, dev, n: int, plan_n: int) -> dict[st
     w, w_plan = module.BatchDecodePagedTSWrapper(), module.BatchDecodePagedTSWrapper()
     rows = {}
     if "device" in module.BatchDecodePagedTSWrapper.plan.__code__.co_varnames[:2]:  # FlashInfer form
-        def plan(wrapper=w_plan):
-            wrapper.plan(dev, B, hq, hkv, d, p, L, seq_lens=s.seq_lens.tolist(), **plan_kw)
+        def plan(wrapper=w_plan, kw=plan_kw):
+            wrapper.plan(dev, B, hq, hkv, d, p, L, seq_lens=s.seq_lens.tolist(), **kw)
         plan(w)
         rows["run"] = ("run(validate=False, out=)", lambda: w.run(q, cache, None, bt, out=out, validate=False), n)
         rows["run_checked"] = ("run(validate=True, out=)",
                                lambda: w.run(q, cache, None, bt, out=out, validate=True), n)
     else:  # the call form before: metadata bound at plan
-        def plan(wrapper=w_plan):
-            wrapper.plan(bt, seq_lens, hq, hkv, d, p, **plan_kw)
+        def plan(wrapper=w_plan, kw=plan_kw):
+            wrapper.plan(bt, seq_lens, hq, hkv, d, p, **kw)
         plan(w)
         rows["run"] = ("run(q, cache, out=)", lambda: w.run(q, cache, out=out), n)
     rows["plan"] = ("plan", plan, plan_n)
     if splits == 1:
+        selected_kw = {k: v for k, v in plan_kw.items() if k != "config"}
+        rows["plan-selected"] = ("plan, config selected", functools.partial(plan, w_plan, selected_kw), plan_n)
         rows["one-shot"] = ("one-shot", lambda: module.batch_decode_with_paged_kv_cache(
             q, cache, bt, seq_lens, out=out), plan_n)
     return {key: (f"{name} (S={splits})", fn, calls) for key, (name, fn, calls) in rows.items()}
@@ -247,17 +265,33 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds")
     ap.add_argument("--other", default=None, metavar="PATH", help="root of another source tree of tsdecode")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cuda (default where there is one) or cpu (the interpreter: a smoke run, times mean nothing)")
+                    help="cuda (default where there is one) or cpu (the interpreter: only the plan rows time the host path)")
+    ap.add_argument("--as-device", default=None, metavar="TABLE.json",
+                    help="describe the device as the GPU of this table's `device` field (both trees' "
+                         "tsdecode.device.set_override), so plans choose configs and search tables as there")
+    ap.add_argument("--rows", default=None, metavar="REGEX",
+                    help="only the rows whose name this regular expression finds (e.g. '^plan[ ,]')")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
+    def keep(rows):
+        return [row for row in rows if args.rows is None or re.search(args.rows, row[0])]
     other = None
     if args.other:
         from ab_trees import load_other_tree
 
         other = load_other_tree(args.other)
+    if args.as_device:
+        with open(args.as_device, encoding="utf-8") as f:
+            gpu = json.load(f)["device"]
+        for module in (tsdecode, other) if other else (tsdecode,):
+            device_module = importlib.import_module(module.__name__ + ".device")
+            device_module.set_override(device_module.DeviceProperties.from_dict(gpu))
     n, r = args.calls, args.repeats
     plan_n = max(20, n // 10) if dev.type == "cuda" else max(1, n // 10)
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (Triton interpreter: times mean nothing)"
+    name = (torch.cuda.get_device_name(dev) if dev.type == "cuda" else
+            "cpu (Triton interpreter: rows that launch kernels time it; plan rows time the host path)")
+    if args.as_device:
+        name += f", described as {gpu['name']} ({gpu['sm_count']} SMs, from {args.as_device})"
     print(f"device {name}, torch {torch.__version__}, triton {triton.__version__}, python "
           f"{sys.version.split()[0]}; {n} calls x {r} rounds, host us per call: median (min)"
           + (f"; other tree: {args.other}" if other else ""))
@@ -266,29 +300,31 @@ def main(argv=None) -> int:
     a = torch.randn(4096, device=dev)
     b, c = torch.randn_like(a), torch.empty_like(a)
     results: list[tuple[str, tuple[float, float] | None, tuple[str, tuple[float, float]] | None]] = []
-    base = timer.rounds([("torch.add(out=)", lambda: torch.add(a, b, out=c), n),
-                         ("triton empty kernel", lambda: _empty_kernel[(1,)](a), n)])
+    base = timer.rounds(keep([("torch.add(out=)", lambda: torch.add(a, b, out=c), n),
+                              ("triton empty kernel", lambda: _empty_kernel[(1,)](a), n)]))
     results += [(k, v, None) for k, v in base.items()]
     verdicts = []
     for splits in (1, 4):
         rows, pairs = this_tree_rows(s, splits, dev, n, plan_n, compiled=dev.type == "cuda")
         if splits == 1:
             rows += oneshot_rows(s, dev, plan_n)
-            pairs["one-shot"] = "one-shot"
+            pairs.update({"one-shot": "one-shot", "plan-selected": "plan, config selected"})
+        run_row = next((row for row in rows if row[0] == pairs["run"]), None)
+        rows = keep(rows)
         theirs = other_tree_rows(other, s, splits, dev, n, plan_n) if other else {}
+        theirs = {key: row for key, row in theirs.items() if keep([row]) and pairs[key] in {r[0] for r in rows}}
         named = {f"other: {row[0]}": (row[0], row[1], row[2]) for row in theirs.values()}
         times = timer.rounds(rows + [(key, fn, calls) for key, (_, fn, calls) in named.items()])
-        if dev.type == "cuda":
-            run = rows[0][1]
+        if dev.type == "cuda" and run_row in rows:
             results.append((f"GPU time a call, graph of 20 (S={splits})",
-                            (graph_time_us([run] * 20, replay_ms=30), None), None))
+                            (graph_time_us([run_row[1]] * 20, replay_ms=30), None), None))
         paired = {pairs[k]: (f"other: {row[0]}", times[f"other: {row[0]}"]) for k, row in theirs.items()}
         results += [(row[0], times[row[0]], paired.get(row[0])) for row in rows]
         if "run" in theirs:
             mine, their = times[pairs["run"]][0], times[f"other: {theirs['run'][0]}"][0]
             verdicts.append(f"# S={splits}: run(validate=False, out=) {mine:.2f} us, the other tree's "
                             f"{theirs['run'][0]} {their:.2f} us: {mine / their:.3f}x (median of {r} rounds)")
-    results += [(k, v, None) for k, v in timer.rounds(metadata_rows(dev, max(20, n // 10))).items()]
+    results += [(k, v, None) for k, v in timer.rounds(keep(metadata_rows(dev, max(20, n // 10)))).items()]
     width = max(len(row[0]) for row in results)
     other_width = max([len(row[2][0]) for row in results if row[2]] + [0])
     for row_name, (median, least), pair in results:

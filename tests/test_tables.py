@@ -401,6 +401,62 @@ def test_missing_table_warns_once_naming_the_tuner(caplog):
     assert "tsdecode-tune --preset smoke" in msg and "cpu_Triton_interpreter.json" in msg
 
 
+def test_a_warning_given_once_is_not_built_again(tmp_path, caplog, monkeypatch):
+    """Every plan searches the tables: a warning already given (no table, a stale table) must not
+    build its advice again (paths resolved on disk) on each later plan."""
+    built = []
+    real = tables.tune_advice
+    monkeypatch.setattr(tables, "tune_advice", lambda *a, **k: built.append(1) or real(*a, **k))
+    for b in (1, 8, 64):
+        assert tables.lookup(make_shape(b), H200) is None
+    assert len(built) == 1 and len(messages(caplog)) == 1
+    write(tmp_path / "stale", num_warps=8, kernel_hash="0" * 16)
+    for _ in range(3):
+        assert warps(tables.lookup(make_shape(), H200, config_dir=tmp_path / "stale")) == 8
+    assert len(built) == 2 and len(messages(caplog)) == 2
+
+
+def _age(path: Path, seconds: float) -> None:
+    past = time.time() - seconds  # outside the reader's one-second "racily clean" window
+    os.utime(path, (past, past))
+
+
+def test_a_folder_is_listed_again_only_when_it_changes(tmp_path, caplog, monkeypatch):
+    """A folder's table names are kept while its times stay; a table written into it afterwards
+    (a new name changes the folder's times) is found by the next lookup."""
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("not a table")
+    _age(folder, 60)
+    listed = []
+    real = os.listdir
+    monkeypatch.setattr(tables.os, "listdir",
+                        lambda path=".": (listed.append(path) if path == str(folder) else None) or real(path))
+    for _ in range(3):
+        assert tables.lookup(make_shape(), H200, config_dir=folder) is None
+    assert listed == [str(folder)]  # listed once, then kept
+    write(folder, num_warps=8)
+    _age(folder, 30)  # settled, under other times than the listing kept
+    assert warps(tables.lookup(make_shape(), H200, config_dir=folder)) == 8
+    assert len(listed) == 2
+    (folder / tables.table_filename(H200.name)).unlink()
+    _age(folder, 20)
+    assert tables.lookup(make_shape(), H200, config_dir=folder) is None
+
+
+def test_the_user_cache_folder_follows_xdg_cache_home(tmp_path, monkeypatch):
+    """The user cache folder is kept per value of the variables platformdirs reads."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "one"))
+    first = tables.user_config_dir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "two"))
+    assert tables.user_config_dir() == tmp_path / "two" / "tsdecode" / "tuned_configs"
+    assert first == tmp_path / "one" / "tsdecode" / "tuned_configs"
+    write(tmp_path / "two" / "tsdecode" / "tuned_configs", num_warps=8)
+    assert warps(tables.lookup(make_shape(), H200)) == 8
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "one"))
+    assert tables.lookup(make_shape(), H200) is None
+
+
 # ------------------------------------------------------------------------------------------------
 # The CPU finds its own table (issue 28, finding 1), end to end
 # ------------------------------------------------------------------------------------------------

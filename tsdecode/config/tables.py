@@ -17,6 +17,7 @@ file's folder (``tune_advice``), and never fails a plan.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -31,7 +32,7 @@ import tokenize
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import platformdirs
 
@@ -185,23 +186,26 @@ def parse_table(path: str, data: object) -> Table:
 
 _lock = threading.Lock()
 _tables: dict[str, tuple[tuple, tuple[Table | None, str | None]]] = {}  # path -> (file key, _read's answer)
+_listings: dict[str, tuple[tuple, list[str]]] = {}  # folder -> (folder key, its table file names)
 _warned: set = set()
 _config_path: str | None = None
 _RACY_NS = 1_000_000_000
 
 
-def warn_once(key: object, message: str) -> None:
+def warn_once(key: object, message: str | Callable[[], str]) -> None:
+    """Log ``message`` (or what the callable returns: built only when it is logged) once per key."""
     with _lock:
         if key in _warned:
             return
         _warned.add(key)
-    logger.warning(message)
+    logger.warning(message() if callable(message) else message)
 
 
 def clear_cache() -> None:
-    """Forget parsed tables, warnings given and the kernel hash (tests)."""
+    """Forget parsed tables, folder listings, warnings given and the kernel hash (tests)."""
     with _lock:
         _tables.clear()
+        _listings.clear()
         _warned.clear()
         _hash.clear()
 
@@ -212,14 +216,26 @@ def set_config_path(path: str | os.PathLike | None) -> None:
     _config_path = None if path is None else os.fspath(path)
 
 
+# What platformdirs reads to place the user cache folder (Linux, macOS, Windows): the folder is
+# cached per value of these, since every plan asks for it.
+_USER_DIR_ENV = ("XDG_CACHE_HOME", "HOME", "LOCALAPPDATA", "USERPROFILE")
+
+
 def user_config_dir() -> Path:
     """Where ``tsdecode-tune`` writes and plans look second (the user cache folder)."""
+    return _user_config_dir(tuple(os.environ.get(name) for name in _USER_DIR_ENV))
+
+
+@functools.lru_cache(maxsize=8)
+def _user_config_dir(_env: tuple) -> Path:
     return Path(platformdirs.user_cache_dir("tsdecode")) / "tuned_configs"
 
 
+@functools.cache
 def shipped_config_dir() -> Path | None:
     """The tables shipped in the package (``tsdecode/tuned_configs/`` of an installed wheel), or
-    the source tree's ``tuned_configs/`` when run from it (an editable install)."""
+    the source tree's ``tuned_configs/`` when run from it (an editable install). Found once: the
+    package does not move while it runs."""
     installed = Path(str(resources.files(__name__.split(".")[0]).joinpath("tuned_configs")))
     source_tree = Path(__file__).resolve().parent.parent.parent / "tuned_configs"
     return next((folder for folder in (installed, source_tree) if folder.is_dir()), None)
@@ -359,12 +375,30 @@ def _sources(config_dir) -> list[tuple[str, str, bool]]:
     return out
 
 
+def _table_names(folder: str, st: os.stat_result) -> list[str]:
+    """The ``*.json`` names in ``folder`` (not hidden), sorted; listed again only when the folder
+    changes (a file added, removed or renamed changes its times), with ``_read``'s racy rule."""
+    key = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+    cached = _listings.get(folder)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    names = sorted(n for n in os.listdir(folder) if n.endswith(".json") and not n.startswith("."))
+    if time.time_ns() - st.st_mtime_ns >= _RACY_NS:
+        with _lock:
+            _listings[folder] = (key, names)
+    return names
+
+
 def _tables_for(origin: str, source: str, explicit: bool, device: DeviceProperties, trace: list | None):
     """(table, notes) of one source that match the device: exact name first, then same compute
     capability and SM count. An unusable file yields (None, ()): it has warned already."""
-    if os.path.isdir(source):
+    try:
+        st = os.stat(source)
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
         try:
-            names = sorted(n for n in os.listdir(source) if n.endswith(".json") and not n.startswith("."))
+            names = _table_names(source, st)
         except OSError as e:  # e.g. a folder without read permission: skip it, never fail a plan
             warn_once(("unreadable folder", source), f"tsdecode: cannot list tuned-config folder "
                       f"{source} ({origin}): {e}; skipping it")
@@ -372,7 +406,7 @@ def _tables_for(origin: str, source: str, explicit: bool, device: DeviceProperti
         files = [os.path.join(source, n) for n in names]
         own = os.path.join(source, table_filename(device.name))
         files.sort(key=lambda f: f != own)
-    elif os.path.exists(source):
+    elif st is not None:
         files = [source]
     else:
         if explicit:
@@ -411,8 +445,10 @@ def _warn_about(table: Table, notes: tuple[str, ...], device: DeviceProperties) 
                    f"(first: {table.skipped[0]})",)
     if not causes:
         return
-    advice = f". Re-tune with {tune_advice(device, table.path)}" if table.stale or table.skipped else ""
-    warn_once(("table", table.path, causes), f"tuned config table {table.path}: {'; '.join(causes)}{advice}")
+    def message() -> str:
+        advice = f". Re-tune with {tune_advice(device, table.path)}" if table.stale or table.skipped else ""
+        return f"tuned config table {table.path}: {'; '.join(causes)}{advice}"
+    warn_once(("table", table.path, causes), message)
 
 
 def lookup(shape: ProblemShape, device: DeviceProperties, *, config_dir: str | os.PathLike | None = None,
@@ -451,6 +487,6 @@ def lookup(shape: ProblemShape, device: DeviceProperties, *, config_dir: str | o
             extra = (f"entries of class {twin} (float16 and bfloat16 share kernel and configs)",)
             return TableHit(entry.kernel_config, table.path, bucket, entry, extra + notes + table.stale)
     if not found_any:  # an unusable file found has warned already
-        warn_once(("missing", device.name), f"no tuned config table for {device.describe()}; using the "
-                                            f"heuristic. Tune with {tune_advice(device)}")
+        warn_once(("missing", device.name), lambda: f"no tuned config table for {device.describe()}; using "
+                                                    f"the heuristic. Tune with {tune_advice(device)}")
     return None
