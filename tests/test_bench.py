@@ -428,3 +428,26 @@ def test_packed_query_lengths_span_one_to_seq_len_q():
     lens = q_lens_for(spec, torch.Generator().manual_seed(0))
     assert len(lens) == 64 and set(lens) == {1, 2, 3, 4}
     assert q_lens_for(ShapeSpec(3, 100, seq_len_q=4), torch.Generator()) == [4, 4, 4]
+
+
+def test_host_overhead_times_the_plan_rows_asked_for_as_another_gpu(tmp_path, capsys):
+    """``host_overhead.py --rows`` times only the rows its expression finds; ``--as-device`` plans
+    as the table's GPU (its shipped table found), against another tree in the same rounds."""
+    import host_overhead
+
+    from tsdecode.device import set_override
+
+    table = os.path.join(os.path.dirname(__file__), "..", "tuned_configs", "NVIDIA_H200.json")
+    root = os.path.join(os.path.dirname(__file__), "..")
+    try:
+        assert host_overhead.main(["--device", "cpu", "--rows", "^plan, config selected", "--calls", "10",
+                                   "--repeats", "1", "--as-device", table, "--other", root]) == 0
+    finally:
+        set_override(None)
+        for name in [n for n in sys.modules if n.split(".")[0] == "tsdecode_other"]:  # the other tree
+            del sys.modules[name]
+    out = capsys.readouterr().out
+    assert "described as NVIDIA H200 (132 SMs" in out
+    rows = [line.split("  ")[1] for line in out.splitlines() if line.startswith("  ")]
+    assert rows == ["plan, config selected"]
+    assert "other: plan, config selected (S=1)" in out
