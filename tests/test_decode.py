@@ -432,6 +432,55 @@ def test_cache_slots_past_each_length_are_never_read(page_size, block_n):
     check(case, out, reference(case, inp))
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a known limit (docs/api.md): the tile holding a window's first key "
+                                        "reads the values of the keys before it, and 0 x NaN reaches the output")
+@pytest.mark.parametrize("case", [
+    Case(mask_type="causal", lens=(50, 77, 130), window_left=20, config=KC(block_n=16, block_m=16, num_kv_splits=1)),
+    Case(mask_type="causal", lens=(50, 77, 130), window_left=20, config=KC(block_n=16, block_m=4, num_kv_splits=2)),
+    Case(mode="fixed", seq_len_q=3, mask_type="causal", lens=(50, 77, 130), window_left=9,
+         config=KC(block_n=16, block_m=16, num_kv_splits=2)),
+    Case(mode="packed", q_lens=(3, 1, 2), mask_type="causal", lens=(50, 77, 130), window_left=9,
+         config=KC(block_n=16, block_m=16, num_kv_splits=2)),
+], ids=["one-split", "fma-splits", "fixed-sq3", "packed"])
+def test_cache_slots_before_a_window_are_never_read(case):
+    """Keys before every query row's window are masked, so their K and V slots may hold anything,
+    NaN included (an engine may point the table at pages it let go). Fails today: when the fix
+    lands, the xfail goes and this is a plain test (the fp8 form too, which fails on a GPU only:
+    the interpreter reads an e4m3 NaN as 480)."""
+    inp = build(case)
+    ref = reference(case, inp)
+    q_lens = case.q_lens or (case.seq_len_q,) * case.batch_size
+    for b, (n, sq) in enumerate(zip(case.lens, q_lens)):
+        first_visible = n - sq - case.window_left  # of the request's first query row
+        assert first_visible % case.config.block_n  # the window starts inside a tile
+        for key in range(first_visible):
+            page = int(inp.block_tables[b, key // case.page_size])
+            inp.cache[page, :, :, key % case.page_size] = float("nan")  # K and V
+    out = poisoned_out(case, inp)
+    run_wrapper(plan_wrapper(case, inp), case, inp, out=out)
+    check(case, out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a known limit (docs/api.md): a bfloat16 q over an "
+                                                              "fp8 cache is converted to float16 for the products")
+@pytest.mark.parametrize("block_m", [4, 16], ids=["fma", "dot"])
+def test_a_bfloat16_q_over_an_fp8_cache_keeps_its_range(block_m):
+    """A bfloat16 q may hold values past float16's 65504; with ``bmm1_scale`` divided by the same
+    factor the scores, and so the output, are those of the usual q. Fails today on a GPU, where
+    the products run in float16 (the interpreter computes them in float32, so it runs on a GPU
+    only); when the fix lands the xfail goes."""
+    q_scale = 2.0**20
+    case = Case(kv_dtype=FP8, lens=(9, 40, 77), seed=3, bmm1_scale=64 ** -0.5 / q_scale,
+                config=KC(block_n=16, block_m=block_m, num_kv_splits=2))
+    inp = build(case)
+    inp = dataclasses.replace(inp, q=(inp.q.double() * q_scale).to(torch.bfloat16))
+    assert inp.q.isfinite().all() and inp.q.abs().max() > 65504
+    out = poisoned_out(case, inp)
+    run_wrapper(plan_wrapper(case, inp), case, inp, out=out)
+    check(case, out, reference(case, inp))
+
+
 @pytest.mark.parametrize("hkv,page_size", [(1, 16), (2, 1)], ids=["one-kv-head", "one-token-pages"])
 @pytest.mark.parametrize("via", ["wrapper", "oneshot"])
 def test_an_nhd_cache_whose_heads_or_tokens_are_one_passes_as_hnd(hkv, page_size, via):
