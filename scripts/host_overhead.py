@@ -40,12 +40,14 @@ Rows (S = splits of the explicit config block_n 16, block_m 16, 1 warp, 3 stages
 cache, out=)`` or the FlashInfer one) and times its run, plan and one-shot rows in the same
 rounds, printed beside this tree's; its run is set against this tree's run(validate=False, out=).
 
---as-device TABLE.json describes the device as that table's GPU, so a CPU run's plans search the
-tables and choose configs as that GPU's do (its shipped table is found). --rows REGEX times only the rows whose name it finds. On the CPU the rows that launch kernels time
+--rows REGEX times only the rows whose name it finds. On the CPU the rows that launch kernels time
 Triton's interpreter, but the plan rows (``--rows '^plan[ ,]'``) time the same Python path as on a
-GPU host, less its CUDA calls (allocations, the compile step).
+GPU host, less its CUDA calls (allocations, the compile step). --as-device TABLE.json describes the
+device as that table's GPU (both trees), so a CPU run's plans choose configs and search the tables
+as that GPU's do (its shipped table is found).
 
-Usage: python scripts/host_overhead.py [--calls 300] [--repeats 9] [--other /path/to/tree] [--rows REGEX] [--as-device TABLE.json]
+Usage: python scripts/host_overhead.py [--calls 300] [--repeats 9] [--other /path/to/tree]
+                                       [--rows REGEX] [--as-device TABLE.json]
 """
 
 from __future__ import annotations
@@ -265,7 +267,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds")
     ap.add_argument("--other", default=None, metavar="PATH", help="root of another source tree of tsdecode")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cuda (default where there is one) or cpu (the interpreter: only the plan rows time the host path)")
+                    help="cuda (default where there is one) or cpu (the interpreter: only the plan rows time "
+                         "the host path)")
     ap.add_argument("--as-device", default=None, metavar="TABLE.json",
                     help="describe the device as the GPU of this table's `device` field (both trees' "
                          "tsdecode.device.set_override), so plans choose configs and search tables as there")
@@ -273,6 +276,7 @@ def main(argv=None) -> int:
                     help="only the rows whose name this regular expression finds (e.g. '^plan[ ,]')")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
+
     def keep(rows):
         return [row for row in rows if args.rows is None or re.search(args.rows, row[0])]
     other = None

@@ -432,8 +432,9 @@ def test_cache_slots_past_each_length_are_never_read(page_size, block_n):
     check(case, out, reference(case, inp))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a known limit (docs/api.md): the tile holding a window's first key "
-                                        "reads the values of the keys before it, and 0 x NaN reaches the output")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a known limit (docs/api.md): the tile holding a window's first key reads the values "
+                          "of the keys before it, and 0 x NaN reaches the output")
 @pytest.mark.parametrize("case", [
     Case(mask_type="causal", lens=(50, 77, 130), window_left=20, config=KC(block_n=16, block_m=16, num_kv_splits=1)),
     Case(mask_type="causal", lens=(50, 77, 130), window_left=20, config=KC(block_n=16, block_m=4, num_kv_splits=2)),
@@ -462,8 +463,9 @@ def test_cache_slots_before_a_window_are_never_read(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a known limit (docs/api.md): a bfloat16 q over an "
-                                                              "fp8 cache is converted to float16 for the products")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="a known limit (docs/api.md): a bfloat16 q over an fp8 cache is converted to float16 "
+                          "for the products")
 @pytest.mark.parametrize("block_m", [4, 16], ids=["fma", "dot"])
 def test_a_bfloat16_q_over_an_fp8_cache_keeps_its_range(block_m):
     """A bfloat16 q may hold values past float16's 65504; with ``bmm1_scale`` divided by the same
