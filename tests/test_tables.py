@@ -24,6 +24,7 @@ import sys
 import textwrap
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -81,8 +82,6 @@ def write(folder: Path, device=H200, data: dict | None = None, **kw) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / tables.table_filename(device.name)
     path.write_text(json.dumps(table_data(device, **kw) if data is None else data))
-    past = time.time() - 60  # older than the reader's one-second "racily clean" window
-    os.utime(path, (past, past))
     return path
 
 
@@ -104,6 +103,13 @@ def isolated(tmp_path, monkeypatch, caplog):
     tables.set_config_path(None)
     set_override(None)
     tables.clear_cache()
+
+
+@pytest.fixture
+def settled(monkeypatch):
+    """The reader's clock a minute ahead: every file and folder written counts as settled (kept
+    by the cache; a ctime cannot be set back)."""
+    monkeypatch.setattr(tables, "time", types.SimpleNamespace(time_ns=lambda: time.time_ns() + 60 * 10**9))
 
 
 @pytest.fixture
@@ -166,7 +172,7 @@ def test_table_filename(name, filename):
 # ------------------------------------------------------------------------------------------------
 
 
-def test_a_valid_table_parses(tmp_path):
+def test_a_valid_table_parses(tmp_path, settled):
     path = write(tmp_path)
     table = tables.load_table(path)
     assert table.device == H200 and table.path == str(path)
@@ -416,18 +422,12 @@ def test_a_warning_given_once_is_not_built_again(tmp_path, caplog, monkeypatch):
     assert len(built) == 2 and len(messages(caplog)) == 2
 
 
-def _age(path: Path, seconds: float) -> None:
-    past = time.time() - seconds  # outside the reader's one-second "racily clean" window
-    os.utime(path, (past, past))
-
-
-def test_a_folder_is_listed_again_only_when_it_changes(tmp_path, caplog, monkeypatch):
+def test_a_folder_is_listed_again_only_when_it_changes(tmp_path, caplog, monkeypatch, settled):
     """A folder's table names are kept while its times stay; a table written into it afterwards
     (a new name changes the folder's times) is found by the next lookup."""
     folder = tmp_path / "tables"
     folder.mkdir()
     (folder / "notes.txt").write_text("not a table")
-    _age(folder, 60)
     listed = []
     real = os.listdir
     monkeypatch.setattr(tables.os, "listdir",
@@ -436,12 +436,50 @@ def test_a_folder_is_listed_again_only_when_it_changes(tmp_path, caplog, monkeyp
         assert tables.lookup(make_shape(), H200, config_dir=folder) is None
     assert listed == [str(folder)]  # listed once, then kept
     write(folder, num_warps=8)
-    _age(folder, 30)  # settled, under other times than the listing kept
     assert warps(tables.lookup(make_shape(), H200, config_dir=folder)) == 8
     assert len(listed) == 2
     (folder / tables.table_filename(H200.name)).unlink()
-    _age(folder, 20)
     assert tables.lookup(make_shape(), H200, config_dir=folder) is None
+
+
+def test_a_table_changed_with_its_old_times_put_back_is_found_on_a_coarse_filesystem(tmp_path, monkeypatch):
+    """Where times step by whole seconds, a table rewritten in place, or added to a folder, in the
+    second of a lookup and then given its old mtime back (``cp -p``, ``rsync -t``) keeps the key
+    that lookup saw: a file or folder whose ctime is within a second of now is not kept."""
+    second = 1_000_000_000
+    now = time.time_ns()
+    past = now - 60 * second
+    monkeypatch.setattr(tables, "time", types.SimpleNamespace(time_ns=lambda: now))
+    real_stat = os.stat
+
+    def coarse_stat(path, *args, **kw):  # every change of this test falls in the second of now
+        st = real_stat(path, *args, **kw)
+        return types.SimpleNamespace(st_mode=st.st_mode, st_ino=st.st_ino, st_size=st.st_size,
+                                     st_mtime_ns=st.st_mtime_ns - st.st_mtime_ns % second,
+                                     st_ctime_ns=now - now % second)
+
+    def put(folder: Path, num_warps: int) -> None:
+        path = folder / tables.table_filename(H200.name)
+        path.write_text(json.dumps(table_data(num_warps=num_warps)))  # the same size for 2, 4 and 8
+        for p in (path, folder):
+            os.utime(p, ns=(past, past))
+
+    def lookup(folder: Path) -> int | None:
+        with monkeypatch.context() as m:
+            m.setattr(tables.os, "stat", coarse_stat)
+            return warps(tables.lookup(make_shape(), H200, config_dir=folder))
+
+    rewritten, added = tmp_path / "rewritten", tmp_path / "added"
+    rewritten.mkdir()
+    added.mkdir()
+    os.utime(added, ns=(past, past))
+    put(rewritten, 2)
+    assert lookup(rewritten) == 2
+    put(rewritten, 4)
+    assert lookup(rewritten) == 4
+    assert lookup(added) is None
+    put(added, 8)
+    assert lookup(added) == 8
 
 
 def test_the_user_cache_folder_follows_xdg_cache_home(tmp_path, monkeypatch):

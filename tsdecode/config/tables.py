@@ -192,6 +192,12 @@ _config_path: str | None = None
 _RACY_NS = 1_000_000_000
 
 
+def _settled(st: os.stat_result) -> bool:
+    """Changed over a second ago (ctime too: ``cp -p`` puts an old mtime on a fresh change), so no
+    later change can keep its key under coarse timestamps: else it is not cached (git's "racy" rule)."""
+    return time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) >= _RACY_NS
+
+
 def warn_once(key: object, message: str | Callable[[], str]) -> None:
     """Log ``message`` (or what the callable returns: built only when it is logged) once per key."""
     with _lock:
@@ -310,9 +316,7 @@ def _read(path: str, device: DeviceProperties | None) -> tuple[Table | None, str
     cached = _tables.get(path)
     if cached is not None and cached[0] == key:
         return cached[1]
-    # A file changed within the filesystem's timestamp resolution of now could change again
-    # under the same key: such a read is not cached (as git treats a "racily clean" index).
-    racy = time.time_ns() - st.st_mtime_ns < _RACY_NS
+    settled = _settled(st)
     table, problem, raw = None, None, b""
     try:
         if not stat.S_ISREG(st.st_mode):  # reading a FIFO or a device could block every plan
@@ -331,7 +335,7 @@ def _read(path: str, device: DeviceProperties | None) -> tuple[Table | None, str
     except Exception as e:  # noqa: BLE001 - a table must never break a plan
         other = _not_a_table(raw)
         problem = _unusable(path, other or repr(e), device, table_like=other is None)
-    if not racy:
+    if settled:
         with _lock:
             _tables[path] = (key, (table, problem))
     return table, problem
@@ -377,13 +381,13 @@ def _sources(config_dir) -> list[tuple[str, str, bool]]:
 
 def _table_names(folder: str, st: os.stat_result) -> list[str]:
     """The ``*.json`` names in ``folder`` (not hidden), sorted; listed again only when the folder
-    changes (a file added, removed or renamed changes its times), with ``_read``'s racy rule."""
+    changes (a file added, removed or renamed changes its times), once ``_settled``."""
     key = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
     cached = _listings.get(folder)
     if cached is not None and cached[0] == key:
         return cached[1]
     names = sorted(n for n in os.listdir(folder) if n.endswith(".json") and not n.startswith("."))
-    if time.time_ns() - st.st_mtime_ns >= _RACY_NS:
+    if _settled(st):
         with _lock:
             _listings[folder] = (key, names)
     return names
