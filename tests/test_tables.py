@@ -612,6 +612,18 @@ def test_a_bad_table_alone_is_one_warning_and_the_heuristic(how, tmp_path, caplo
     assert str(bad) in msg and "unusable" in msg
 
 
+def test_a_table_unusable_for_another_cause_after_it_changed_warns_again(tmp_path, caplog):
+    """One warning per file and cause: a file that is unusable again after it changed warns again
+    when the cause differs, not when it is the same."""
+    path = tmp_path / tables.table_filename(H200.name)
+    for text in (b"[1, 2, 3]", BAD_FILES["wrong version"](_valid_text()), b"[1, 2, 3]", b"[1, 2, 3, 4]"):
+        path.write_bytes(text)
+        for _ in range(2):
+            assert tables.lookup(make_shape(), H200, config_dir=path) is None
+    first, second = messages(caplog)
+    assert "JSON without a format_version" in first and "format_version is 99" in second
+
+
 @pytest.mark.parametrize("cause", ["unusable", "stale"])
 @pytest.mark.parametrize("where", ["user cache", "env", "config_dir file", "shipped"])
 @pytest.mark.parametrize("gpu", [True, False], ids=["gpu", "cpu"])

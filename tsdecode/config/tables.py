@@ -302,7 +302,7 @@ def _unusable(path: str, reason: str, device: DeviceProperties | None, replace: 
     else:
         message = (f"{path} is not a tsdecode config table ({reason}); ignored. This device's table comes from "
                    f"{tune_advice(device)}")
-    warn_once(("unusable", path), message)
+    warn_once(("unusable", path, reason), message)
     return reason
 
 
@@ -328,7 +328,7 @@ def _read(path: str, device: DeviceProperties | None) -> tuple[Table | None, str
             table = parse_table(path, json.loads(raw))
     except OSError as e:
         problem = f"cannot be read: {e}"
-        warn_once(("unusable", path), f"tuned config table {path} cannot be read ({e}); ignored")
+        warn_once(("unusable", path, problem), f"tuned config table {path} cannot be read ({e}); ignored")
     except (ValueError, RecursionError) as e:  # JSON, UTF-8, format
         other = _not_a_table(raw)  # e.g. another tool's JSON file in the folder
         problem = _unusable(path, other or str(e), device, table_like=other is None)
