@@ -422,6 +422,26 @@ def test_a_warning_given_once_is_not_built_again(tmp_path, caplog, monkeypatch):
     assert len(built) == 2 and len(messages(caplog)) == 2
 
 
+def test_no_warning_is_built_while_warnings_are_not_logged(tmp_path, caplog, monkeypatch):
+    """A warning's text (its advice resolves paths) is built only to be logged: not while the
+    logger drops warnings, not again on each re-read of an unusable file (written within the
+    second, so never cached); once warnings are logged, each is given."""
+    built = []
+    real = tables.tune_advice
+    monkeypatch.setattr(tables, "tune_advice", lambda *a, **k: built.append(1) or real(*a, **k))
+    bad = tmp_path / "bad" / tables.table_filename(H200.name)
+    bad.parent.mkdir()
+    bad.write_text("[]")
+    write(tmp_path / "stale", num_warps=8, kernel_hash="0" * 16)
+    for level, advice, warnings in ((logging.ERROR, 0, 0), (logging.WARNING, 3, 4)):
+        caplog.set_level(level, logger="tsdecode")
+        for _ in range(3):
+            assert tables.lookup(make_shape(), H200, config_dir=bad.parent) is None
+            assert warps(tables.lookup(make_shape(), H200, config_dir=tmp_path / "stale")) == 8
+            assert tables.lookup(make_shape(), H200, config_dir=tmp_path / "none") is None  # and no table
+        assert len(built) == advice and len(messages(caplog)) == warnings
+
+
 def test_a_folder_is_listed_again_only_when_it_changes(tmp_path, caplog, monkeypatch, settled):
     """A folder's table names are kept while its times stay; a table written into it afterwards
     (a new name changes the folder's times) is found by the next lookup."""

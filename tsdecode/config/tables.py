@@ -199,7 +199,10 @@ def _settled(st: os.stat_result) -> bool:
 
 
 def warn_once(key: object, message: str | Callable[[], str]) -> None:
-    """Log ``message`` (or what the callable returns: built only when it is logged) once per key."""
+    """Log ``message`` (or what the callable returns: built only when it is logged) once per key;
+    while warnings are not logged, nothing is built or counted as given."""
+    if not logger.isEnabledFor(logging.WARNING):
+        return
     with _lock:
         if key in _warned:
             return
@@ -293,15 +296,15 @@ def _unusable(path: str, reason: str, device: DeviceProperties | None, replace: 
     """Warn once that the file at ``path`` is unusable; ``replace``: re-tuning would replace it;
     ``table_like``: it is meant to be a table (else it is no business of tsdecode's, e.g. another
     tool's JSON file or a device given as the path: it is only said to be ignored)."""
-    device = device or device_properties()
-    if replace and os.path.basename(path) == table_filename(device.name):
-        message = f"tuned config table {path} is unusable ({reason}); ignored. Re-tune with {tune_advice(device, path)}"
-    elif table_like:
-        message = (f"tuned config table {path} is unusable ({reason}); ignored. Delete it; this device's table comes "
-                   f"from {tune_advice(device, path)}")
-    else:
-        message = (f"{path} is not a tsdecode config table ({reason}); ignored. This device's table comes from "
-                   f"{tune_advice(device)}")
+    def message() -> str:
+        dev = device or device_properties()
+        if replace and os.path.basename(path) == table_filename(dev.name):
+            return f"tuned config table {path} is unusable ({reason}); ignored. Re-tune with {tune_advice(dev, path)}"
+        if table_like:
+            return (f"tuned config table {path} is unusable ({reason}); ignored. Delete it; this device's table "
+                    f"comes from {tune_advice(dev, path)}")
+        return (f"{path} is not a tsdecode config table ({reason}); ignored. This device's table comes from "
+                f"{tune_advice(dev)}")
     warn_once(("unusable", path, reason), message)
     return reason
 
@@ -414,8 +417,8 @@ def _tables_for(origin: str, source: str, explicit: bool, device: DeviceProperti
         files = [source]
     else:
         if explicit:
-            warn_once(("no path", source), f"tuned config path {source} (from {origin}) does not exist; "
-                                           f"no table read from it")
+            warn_once(("no path", source), lambda: f"tuned config path {source} (from {origin}) does not exist; "
+                                                   f"no table read from it")
         if trace is not None:
             trace.append(f"    {source}: does not exist")
         return
