@@ -761,7 +761,8 @@ def test_a_stale_table_with_a_skipped_entry_is_one_warning(device, tmp_path, cap
 
 def test_a_folder_that_cannot_be_listed_warns_once_and_the_search_goes_on(tmp_path, user_dir, caplog,
                                                                            monkeypatch):
-    """A table folder os.listdir refuses (no read permission) never fails a plan."""
+    """A table folder os.listdir refuses (no read permission) never fails a plan; explain's
+    search says so."""
     locked = tmp_path / "locked"
     locked.mkdir()
     real = os.listdir
@@ -777,6 +778,9 @@ def test_a_folder_that_cannot_be_listed_warns_once_and_the_search_goes_on(tmp_pa
         assert warps(tables.lookup(make_shape(), H200, config_dir=locked)) == 8
     [msg] = messages(caplog)
     assert str(locked) in msg and "Permission denied" in msg
+    trace = []
+    tables.lookup(make_shape(), H200, config_dir=locked, trace=trace)
+    assert f"    {locked}: cannot be listed ([Errno 13] Permission denied: '{locked}')" in trace
 
 
 @pytest.mark.parametrize("how", ["env", "set_config_path"])

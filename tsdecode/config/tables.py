@@ -199,8 +199,7 @@ def _settled(st: os.stat_result) -> bool:
 
 
 def warn_once(key: object, message: str | Callable[[], str]) -> None:
-    """Log ``message`` (or what the callable returns: built only when it is logged) once per key;
-    while warnings are not logged, nothing is built or counted as given."""
+    """Log ``message`` (or what the callable returns, built only to be logged) once per key."""
     if not logger.isEnabledFor(logging.WARNING):
         return
     with _lock:
@@ -377,9 +376,7 @@ def _sources(config_dir) -> list[tuple[str, str, bool]]:
         out.append((f"${CONFIG_DIR_ENV}", os.environ[CONFIG_DIR_ENV], True))
     out.append(("user cache", str(user_config_dir()), False))
     shipped = shipped_config_dir()
-    if shipped is not None:
-        out.append(("shipped", str(shipped), False))
-    return out
+    return out + ([("shipped", str(shipped), False)] if shipped is not None else [])
 
 
 def _table_names(folder: str, st: os.stat_result) -> list[str]:
@@ -409,7 +406,9 @@ def _tables_for(origin: str, source: str, explicit: bool, device: DeviceProperti
         except OSError as e:  # e.g. a folder without read permission: skip it, never fail a plan
             warn_once(("unreadable folder", source), f"tsdecode: cannot list tuned-config folder "
                       f"{source} ({origin}): {e}; skipping it")
-            return []
+            if trace is not None:
+                trace.append(f"    {source}: cannot be listed ({e})")
+            return
         files = [os.path.join(source, n) for n in names]
         own = os.path.join(source, table_filename(device.name))
         files.sort(key=lambda f: f != own)
