@@ -132,6 +132,21 @@ def test_plan_with_a_buffer_of_exactly_the_size(dtype):
     check(CASE, out, reference(CASE, inp))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+def test_a_contiguous_buffer_of_any_shape_is_used_as_flat_bytes(dtype):
+    """The docs ask for a contiguous int8/uint8 buffer, not a 1-D one: a 2-D buffer of the
+    helper's size holds the selected config's partials and the answer is the reference's."""
+    nbytes = size()
+    ws = buffer(nbytes, dtype).view(2, nbytes // 2)
+    inp = build(CASE)
+    w = plan_wrapper(CASE, inp, workspace_buffer=ws)
+    assert w.config.kernel_config == picked() and w._plan.workspace is ws
+    for validate in (True, False):
+        out = poisoned_out(CASE, inp)
+        run_wrapper(w, CASE, inp, out=out, validate=validate)
+        check(CASE, out, reference(CASE, inp))
+
+
 def test_partials_live_in_the_callers_buffer():
     """With several splits the kernels write their fp32 partials into the caller's buffer (the
     launcher's partial tensors lie inside it, and the 0xFF poison there is overwritten), and a
