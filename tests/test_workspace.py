@@ -216,6 +216,25 @@ def test_ragged_plan_owned_lengths_fit_a_buffer_sized_without_them():
     check(case, out, reference(case, inp))
 
 
+def test_wrappers_of_other_shapes_share_one_buffer_run_by_turns():
+    """Two wrappers planned for other shapes, dtypes and masks on one buffer, run by turns
+    (validated or not), each give the reference's answer: every partial a run merges it wrote."""
+    other = Case(lens=(200, 150, 9), num_qo_heads=8, num_kv_heads=2, page_size=8, dtype=torch.float16,
+                 mode="fixed", seq_len_q=2, mask_type="causal", lengths="run", seed=2)
+    nbytes = max(size(), size(3, 8, 2, 64, 8, 200, seq_len_q=2, q_dtype=torch.float16, mask_type="causal"))
+    ws = buffer(nbytes)
+    runs = []
+    for case in (CASE, other):
+        inp = build(case)
+        runs.append((plan_wrapper(case, inp, workspace_buffer=ws), case, inp, reference(case, inp)))
+    assert runs[0][0].config.kernel_config.num_kv_splits > 1
+    for validate in (True, False, True):
+        for w, case, inp, ref in runs:
+            out = poisoned_out(case, inp)
+            run_wrapper(w, case, inp, out=out, validate=validate)
+            check(case, out, ref)
+
+
 def test_an_explicit_config_that_does_not_fit_is_refused():
     inp = build(CASE)
     need = size()  # the bytes the heuristic's pick needs here
