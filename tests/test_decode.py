@@ -8,6 +8,7 @@ live pages, into a NaN-poisoned ``out``.
 """
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -322,6 +323,37 @@ def test_failed_replan_keeps_previous_plan():
     with pytest.raises(ValueError):
         w.plan(inp.q.device, 2, 8, 2, 64, 16, 30, seq_lens=[10, 31])  # over max_kv_len
     check(case, run_wrapper(w, case, inp), reference(case, inp))
+
+
+def test_wrappers_run_from_several_threads_at_once():
+    """Wrappers of their own, run and re-planned from threads at once (plan-owned and run-owned
+    lengths, validated or not, split or one-pass, a packed plan), each give the reference's
+    answer. Triton's interpreter keeps a launch's grid in globals, so its launches must not overlap."""
+    cases = [Case(lens=(300, 40), num_qo_heads=4, num_kv_heads=1, seed=0),
+             Case(lens=(70, 9, 33), lengths="run", seed=1),
+             Case(lens=(50, 20), mode="packed", q_lens=(3, 1), seq_len_q=4, mask_type="causal", seed=2),
+             Case(lens=(40,), num_qo_heads=4, num_kv_heads=1, dtype=FP8, out_dtype=FP8, seed=3)]
+    inputs = [build(case) for case in cases]
+    refs = [reference(case, inp) for case, inp in zip(cases, inputs)]
+    failures = []
+
+    def work(k):
+        case, inp = cases[k], inputs[k]
+        try:
+            for step in range(4):
+                w = plan_wrapper(case, inp)
+                out = poisoned_out(case, inp)
+                run_wrapper(w, case, inp, out=out, validate=step % 2 == 0)
+                check(case, out, refs[k])
+        except Exception as e:  # noqa: BLE001 -- reported below, with the case
+            failures.append((k, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
 
 
 def test_merge_takes_more_splits_than_one_pass_holds():

@@ -520,6 +520,40 @@ def test_out_must_not_overlap_any_input(target):
     assert torch.isfinite(past.float()).all() and torch.equal(past, ref)
 
 
+@pytest.mark.parametrize("target", ["cache", "V", "q", "block_tables", "seq_lens"])
+def test_workspace_must_not_overlap_any_input(target):
+    """A validated run refuses a plan whose split partials (in workspace_buffer) overlap a tensor
+    the kernels read (the partials would overwrite it and the answer be wrong), naming both, and
+    accepts the same buffer's bytes right past that tensor."""
+    case = Case(lens=(40, 33), separate=target == "V", lengths="run",
+                config=KernelConfig(block_n=16, block_m=16, num_kv_splits=2))
+    inp = build(case)
+    ref = reference(case, inp)
+    need = tsdecode.workspace.workspace_bytes(plan_wrapper(case, inp)._plan.shape, 2)
+    tensors = dict(q=inp.q, cache=inp.cache, block_tables=inp.block_tables, seq_lens=inp.seq_lens)
+    victim = inp.cache[1] if target == "V" else tensors[target]
+    vbytes = victim.numel() * victim.element_size()
+    nbytes = vbytes + -vbytes % 256
+    buf = torch.zeros(nbytes + need + 256, dtype=torch.uint8, device=inp.q.device)
+    buf = buf[-buf.data_ptr() % 256:]
+    moved = buf[:vbytes].view(victim.dtype).view(victim.shape)
+    moved.copy_(victim)
+    if target == "V":
+        tensors["cache"] = (inp.cache[0], moved)
+    else:
+        tensors[target] = moved
+    args = (tensors["q"], tensors["cache"], tensors["seq_lens"], tensors["block_tables"])
+    name = {"cache": "paged_kv_cache", "V": "paged_kv_cache V"}.get(target, target)
+    w = plan_wrapper(case, inp, workspace_buffer=buf[nbytes - 256:nbytes - 256 + need])
+    with pytest.raises(ValueError, match=f"workspace_buffer must not overlap {name}"):
+        w.run(*args)
+    w = plan_wrapper(case, inp, workspace_buffer=buf[nbytes:nbytes + need])
+    out = torch.full(inp.q.shape, float("nan"), dtype=BF16, device=inp.q.device)
+    assert w.run(*args, out=out) is out
+    rel, _ = errors(out, ref)
+    assert rel < 1.2e-2, rel
+
+
 @pytest.mark.parametrize("owner", ["plan", "run", "run, max_kv_len 4096"])
 @pytest.mark.parametrize("bad", [-1, 10**6])
 @pytest.mark.parametrize("covered", [True, False])

@@ -132,6 +132,21 @@ def test_plan_with_a_buffer_of_exactly_the_size(dtype):
     check(CASE, out, reference(CASE, inp))
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+def test_a_contiguous_buffer_of_any_shape_is_used_as_flat_bytes(dtype):
+    """The docs ask for a contiguous int8/uint8 buffer, not a 1-D one: a 2-D buffer of the
+    helper's size holds the selected config's partials and the answer is the reference's."""
+    nbytes = size()
+    ws = buffer(nbytes, dtype).view(2, nbytes // 2)
+    inp = build(CASE)
+    w = plan_wrapper(CASE, inp, workspace_buffer=ws)
+    assert w.config.kernel_config == picked() and w._plan.workspace is ws
+    for validate in (True, False):
+        out = poisoned_out(CASE, inp)
+        run_wrapper(w, CASE, inp, out=out, validate=validate)
+        check(CASE, out, reference(CASE, inp))
+
+
 def test_partials_live_in_the_callers_buffer():
     """With several splits the kernels write their fp32 partials into the caller's buffer (the
     launcher's partial tensors lie inside it, and the 0xFF poison there is overwritten), and a
@@ -199,6 +214,25 @@ def test_ragged_plan_owned_lengths_fit_a_buffer_sized_without_them():
     out = poisoned_out(case, inp)
     run_wrapper(w, case, inp, out=out)
     check(case, out, reference(case, inp))
+
+
+def test_wrappers_of_other_shapes_share_one_buffer_run_by_turns():
+    """Two wrappers planned for other shapes, dtypes and masks on one buffer, run by turns
+    (validated or not), each give the reference's answer: every partial a run merges it wrote."""
+    other = Case(lens=(200, 150, 9), num_qo_heads=8, num_kv_heads=2, page_size=8, dtype=torch.float16,
+                 mode="fixed", seq_len_q=2, mask_type="causal", lengths="run", seed=2)
+    nbytes = max(size(), size(3, 8, 2, 64, 8, 200, seq_len_q=2, q_dtype=torch.float16, mask_type="causal"))
+    ws = buffer(nbytes)
+    runs = []
+    for case in (CASE, other):
+        inp = build(case)
+        runs.append((plan_wrapper(case, inp, workspace_buffer=ws), case, inp, reference(case, inp)))
+    assert runs[0][0].config.kernel_config.num_kv_splits > 1
+    for validate in (True, False, True):
+        for w, case, inp, ref in runs:
+            out = poisoned_out(case, inp)
+            run_wrapper(w, case, inp, out=out, validate=validate)
+            check(case, out, ref)
 
 
 def test_an_explicit_config_that_does_not_fit_is_refused():

@@ -363,12 +363,13 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
                                 "as planned by q_data_type, whose default is torch.float16")
         if s.packed and total_q > plan.query_capacity:
             raise ValueError(f"q holds {total_q} query tokens, more than B*max_seq_len_q = {plan.query_capacity}")
+        inputs = (("q", q), *cache_tensors, ("block_tables", block_tables), ("seq_lens", seq_lens),
+                  *((("qo_indptr", qo_indptr),) if qo_indptr is not None else ()))
         if out is not None:
             out = V.validate_io_tensor("out", out, tuple(q.shape), "q's shape", s.o_dtype, plan.device,
                                       "as planned by o_data_type, whose default is q_data_type")
-            inputs = (("q", q), *cache_tensors, ("block_tables", block_tables), ("seq_lens", seq_lens),
-                      ("workspace_buffer", plan.workspace))
-            V.validate_out(out, inputs + ((("qo_indptr", qo_indptr),) if qo_indptr is not None else ()))
+            V.validate_out(out, inputs + (("workspace_buffer", plan.workspace),))
+        V.validate_workspace_apart(plan.launch._partials, inputs)
         bmm1, bmm2 = V.validate_scales(bmm1_scale, bmm2_scale, s.head_dim)
         if validate and not values_checked:
             _check_metadata_values(plan, block_tables, seq_lens, qo_indptr, page_shape[0], total_q)

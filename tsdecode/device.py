@@ -8,8 +8,10 @@ pretends to be an H200.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -19,6 +21,16 @@ import torch
 # for this process.
 INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 CPU_NAME = "cpu (Triton interpreter)"
+# Triton's interpreter keeps a launch's grid and its patched language module in globals: one
+# interpreted launch at a time, whichever thread or wrapper it comes from.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def interpreted_launch():
+    """Held around a kernel launch: the interpreter's lock, nothing on a GPU."""
+    return _INTERPRETER_LOCK if INTERPRETER else contextlib.nullcontext()
+
+
 # sm_70 to sm_90 (and the CPU stand-in): 64K 32-bit registers per SM.
 DEFAULT_REGISTERS_PER_SM = 65536
 # H100/H200's shared memory per SM; the CPU stand-in's, and any device torch does not report.

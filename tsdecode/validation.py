@@ -449,3 +449,15 @@ def validate_out(out: torch.Tensor, inputs: Sequence[tuple[str, torch.Tensor]]) 
         other = byte_span(t)
         if other is not None and lo <= other[1] and other[0] <= hi:
             raise ValueError(f"out must not alias {name} (their memory overlaps)")
+
+
+def validate_workspace_apart(partials: Sequence[torch.Tensor | None],
+                             inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """The split partials (in the plan's workspace_buffer) share no byte with a tensor the kernels read."""
+    for part in partials:
+        span = None if part is None else byte_span(part)
+        for name, t in inputs if span is not None else ():
+            other = byte_span(t)
+            if other is not None and span[0] <= other[1] and other[0] <= span[1]:
+                raise ValueError(f"workspace_buffer must not overlap {name}: the split partials the run writes "
+                                 f"there would overwrite it")

@@ -47,7 +47,7 @@ def scratch_views(workspace: torch.Tensor, shape: ProblemShape,
                                              num_kv_splits, shape.head_dim)
     align = WORKSPACE_SECTION_ALIGNMENT
     o_bytes = -(-4 * _numel(o_shape) // align) * align
-    flat = workspace.view(torch.uint8) if workspace.dtype == torch.int8 else workspace
+    flat = workspace.view(torch.uint8).view(-1)  # any contiguous shape: its bytes in order
     partial_o = flat[:4 * _numel(o_shape)].view(torch.float32).view(o_shape)
     partial_lse = flat[o_bytes:o_bytes + 4 * _numel(lse_shape)].view(torch.float32).view(lse_shape)
     return partial_o, partial_lse

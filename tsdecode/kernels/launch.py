@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 from ..config.space import KernelConfig, ProblemShape, merge_block_d
-from ..device import INTERPRETER, device_properties
+from ..device import INTERPRETER, device_properties, interpreted_launch
 from .decode import LOG2E, _merge_kernel, _split_kv_kernel
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -197,12 +197,13 @@ class DecodeLaunch:
         if self._merge_grid is not None:
             merge_args = (partial_o, partial_lse, out, scales[1], self.config.num_kv_splits,
                           *self._po_lse_strides, *varying[3:6])
-        split_compiled = _split_kv_kernel[self._grid](
-            *split_args, **self._split_constexprs, **self._split_options, **self._launch_options)
-        merge_compiled = None
-        if merge_args is not None:
-            merge_compiled = _merge_kernel[merge_grid](
-                *merge_args, **self._merge_constexprs, **self._merge_options, **self._launch_options)
+        with interpreted_launch():
+            split_compiled = _split_kv_kernel[self._grid](
+                *split_args, **self._split_constexprs, **self._split_options, **self._launch_options)
+            merge_compiled = None
+            if merge_args is not None:
+                merge_compiled = _merge_kernel[merge_grid](
+                    *merge_args, **self._merge_constexprs, **self._merge_options, **self._launch_options)
         self._remember(key, split_compiled, len(split_args), merge_compiled,
                        None if merge_args is None else len(merge_args))
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device import INTERPRETER
+from ..device import INTERPRETER, interpreted_launch
 
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
@@ -106,7 +106,8 @@ def read_metadata(block_tables: torch.Tensor, seq_lens: torch.Tensor, qo_indptr:
     tensors = (block_tables, seq_lens, indptr, out)
     device = block_tables.device
     if device.type != "cuda" or INTERPRETER:
-        _metadata_kernel[(programs,)](*tensors, *scalars, **constexprs, num_warps=NUM_WARPS)
+        with interpreted_launch():
+            _metadata_kernel[(programs,)](*tensors, *scalars, **constexprs, num_warps=NUM_WARPS)
     else:
         index = device.index if device.index is not None else torch.cuda.current_device()
         key = (index, tuple(sorted(constexprs.items())), *(t.data_ptr() % 16 for t in tensors))
