@@ -355,6 +355,51 @@ def test_run_checks_metadata(inp, name, validate):
         w.run(args["q"], inp.cache, args["seq_lens"], args["block_tables"], validate=validate)
 
 
+def _wider_head_dim(t: torch.Tensor) -> torch.Tensor:
+    """t's values as a view of the first half of a buffer with twice t's head dim."""
+    wide = torch.randn(*t.shape[:-1], 2 * t.shape[-1], device=t.device).to(t.dtype)
+    wide[..., : t.shape[-1]] = t
+    return wide[..., : t.shape[-1]]
+
+
+def _nhd_view(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """t's values (HND, heads at dim ``heads``) stored as NHD and seen through a transposed view."""
+    return t.transpose(heads, heads + 1).contiguous().transpose(heads, heads + 1)
+
+
+CACHE_LAYOUTS = {  # (separate K/V, the cache from build's, the validated run's error)
+    "combined, a slice of a wider head dim": (False, _wider_head_dim, "compact inside a page"),
+    "combined, an NHD cache's view": (False, lambda c: _nhd_view(c, 2), "compact HND strides inside a page"),
+    "separate, K a slice of a wider head dim": (True, lambda kv: (_wider_head_dim(kv[0]), kv[1]),
+                                               "K needs compact HND strides"),
+    "separate, V an NHD cache's view": (True, lambda kv: (kv[0], _nhd_view(kv[1], 1)),
+                                        "V needs compact HND strides"),
+}
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("layout", list(CACHE_LAYOUTS))
+def test_a_cache_laid_out_otherwise_inside_a_page_is_refused_unvalidated_too(layout, validate):
+    """The kernels take only the page and head strides of K and V and step through a page with
+    token stride D and head-dim stride 1. A cache of the planned shape and dtype laid out
+    otherwise inside a page (a slice of a wider head dim, an NHD cache's transposed view, K and V
+    of different layouts) must be refused by run(validate=False) with the validated run's error,
+    out left untouched, instead of being read as if compact (a silently wrong output)."""
+    separate, change, pattern = CACHE_LAYOUTS[layout]
+    case = Case(lens=(5, 40, 17), separate=separate, lengths="run")
+    inp = build(case)
+    cache = change(inp.cache)
+    for t in (cache if separate else (cache,)):
+        assert t.stride(-1) == 1
+    assert all(torch.equal(a, b) for a, b in zip(cache if separate else (cache,),
+                                                  inp.cache if separate else (inp.cache,)))
+    w = plan_wrapper(case, inp)
+    out = torch.full(inp.q.shape, float("nan"), device=inp.q.device).to(BF16)
+    with pytest.raises(ValueError, match=pattern):
+        w.run(inp.q, cache, inp.seq_lens, inp.block_tables, out=out, validate=validate)
+    assert torch.isnan(out.float()).all()
+
+
 @pytest.mark.parametrize("validate", [True, False])
 def test_who_owns_the_lengths_is_checked_even_without_validation(inp, validate):
     """seq_lens to run iff the plan does not own them; qo_indptr iff the plan is packed: checked

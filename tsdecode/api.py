@@ -57,11 +57,12 @@ class _Plan:
         return V.query_shape(s.packed, s.batch_size, s.max_seq_len_q, total_q, s.num_qo_heads, s.head_dim)
 
     def matches(self, q, paged_kv_cache, out, block_tables, seq_lens) -> bool:
-        """Host-only, cheap: do the tensors' shapes and dtypes fit this plan? (What an unvalidated
-        run checks: a tensor of another shape or dtype would be read or written out of bounds.) A
+        """Host-only, cheap: do the tensors' shapes and dtypes, and the strides the kernels assume
+        rather than take, fit this plan? (What an unvalidated run checks: a tensor of another shape
+        or dtype would be read or written out of bounds, one of other strides read wrongly.) A
         False only sends the run through the full tensor checks, which say what is wrong."""
         s = self.shape
-        q_shape, q_row, combined_page, page, lens_shape = self._expected_shapes
+        q_shape, q_row, combined_page, page, lens_shape, kv_inner = self._expected_shapes
         try:
             if q.dtype != s.q_dtype or q.stride(-1) != 1:
                 return False
@@ -75,9 +76,13 @@ class _Plan:
             if isinstance(paged_kv_cache, torch.Tensor):
                 if paged_kv_cache.dtype != s.kv_dtype or paged_kv_cache.shape[1:] != combined_page:
                     return False
+                if paged_kv_cache.stride()[-len(kv_inner):] != kv_inner:
+                    return False
             else:
                 k, v = paged_kv_cache
                 if k.dtype != s.kv_dtype or v.dtype != s.kv_dtype or k.shape[1:] != page or v.shape != k.shape:
+                    return False
+                if k.stride()[-len(kv_inner):] != kv_inner or v.stride()[-len(kv_inner):] != kv_inner:
                     return False
             if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != s.batch_size:
                 return False
@@ -88,12 +93,15 @@ class _Plan:
     @functools.cached_property
     def _expected_shapes(self) -> tuple:
         """(q's shape, None when packed; a packed q's [Hq, D]; a combined cache's [2, Hkv, P, D];
-        a page [Hkv, P, D]; the lengths' [B]) for ``matches``."""
+        a page [Hkv, P, D]; the lengths' [B]; the cache's last strides, which the kernels assume
+        (token stride D, head-dim stride 1; the token stride is never stepped with one-token pages))
+        for ``matches``."""
         s = self.shape
         page = (s.num_kv_heads, s.page_size, s.head_dim)
         q_shape = None if s.packed else torch.Size(self.q_shape(self.query_capacity))
+        kv_inner = (s.head_dim, 1) if s.page_size > 1 else (1,)
         return (q_shape, torch.Size((s.num_qo_heads, s.head_dim)), torch.Size((2, *page)), torch.Size(page),
-                torch.Size((s.batch_size,)))
+                torch.Size((s.batch_size,)), kv_inner)
 
 
 def on_device(device: torch.device):
