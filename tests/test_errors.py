@@ -321,7 +321,8 @@ RUN_METADATA_ERRORS = {  # (plan kw, run change, exception, pattern)
 }
 
 
-UNVALIDATED_METADATA_CHECKS = ("block_tables rows", "block_tables int64", "seq_lens int64", "seq_lens shape")
+UNVALIDATED_METADATA_CHECKS = ("block_tables rows", "block_tables int64", "seq_lens int64", "seq_lens shape",
+                               "seq_lens strided")
 
 
 @pytest.mark.parametrize("validate", [True, False])
@@ -330,7 +331,7 @@ def test_run_checks_metadata(inp, name, validate):
     """A validated run checks the per-run metadata (run-owned lengths) against the plan; an
     unvalidated one its tensors' shapes and dtypes."""
     if not validate and name not in UNVALIDATED_METADATA_CHECKS:
-        pytest.skip("not checked without validation (values, strides, devices)")
+        pytest.skip("not checked without validation (values, devices)")
     plan_kw, change, exc, pattern = RUN_METADATA_ERRORS[name]
     w = plan(**plan_kw)
     q, bt, sl = inp.q, inp.block_tables, inp.seq_lens
@@ -397,6 +398,31 @@ def test_a_cache_laid_out_otherwise_inside_a_page_is_refused_unvalidated_too(lay
     out = torch.full(inp.q.shape, float("nan"), device=inp.q.device).to(BF16)
     with pytest.raises(ValueError, match=pattern):
         w.run(inp.q, cache, inp.seq_lens, inp.block_tables, out=out, validate=validate)
+    assert torch.isnan(out.float()).all()
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("what", ["block_tables column-major", "seq_lens strided"])
+def test_metadata_read_with_unit_stride_is_refused_unvalidated_too(what, validate):
+    """The kernels read a block-table row and the lengths with unit stride (of the table they
+    take only the row stride). A column-major block table, or strided lengths, of the planned
+    shape and dtype must be refused by run(validate=False) with the validated run's error, out
+    left untouched, instead of being read as if contiguous (other requests' page IDs and lengths:
+    a silently wrong output here, where every entry is a page ID inside the cache and every
+    length in range; reads outside the cache elsewhere)."""
+    case = Case(lens=(5, 40, 17), lengths="run", pad_value=0)
+    inp = build(case)
+    bt, lens = inp.block_tables, inp.seq_lens
+    if what == "block_tables column-major":
+        bt, pattern = bt.t().contiguous().t(), "block_tables rows must be contiguous"
+    else:
+        holder = torch.stack([lens, lens.flip(0)], 1)  # in-range lengths between the real ones
+        lens, pattern = holder[:, 0], "seq_lens must be contiguous"
+    assert torch.equal(bt, inp.block_tables) and torch.equal(lens, inp.seq_lens)
+    w = plan_wrapper(case, inp)
+    out = torch.full(inp.q.shape, float("nan"), device=inp.q.device).to(BF16)
+    with pytest.raises(ValueError, match=pattern):
+        w.run(inp.q, inp.cache, lens, bt, out=out, validate=validate)
     assert torch.isnan(out.float()).all()
 
 

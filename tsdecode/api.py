@@ -86,7 +86,11 @@ class _Plan:
                     return False
             if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != s.batch_size:
                 return False
-            return seq_lens.dtype == torch.int32 and seq_lens.shape == lens_shape
+            if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:  # a row is read with unit stride
+                return False
+            if seq_lens.dtype != torch.int32 or seq_lens.shape != lens_shape:
+                return False
+            return seq_lens.stride(0) == 1 or s.batch_size == 1
         except (AttributeError, IndexError, TypeError, ValueError):  # not tensors, 0-d ones, or not a (K, V) pair
             return False
 
