@@ -446,6 +446,31 @@ def test_who_owns_the_lengths_is_checked_even_without_validation(inp, validate):
         per_run.run(inp.q, inp.cache, inp.seq_lens, inp.block_tables, validate=1)
 
 
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("what", ["strided", "int64", "B offsets"])
+def test_packed_offsets_are_checked_unvalidated_too(what, validate):
+    """The kernels read qo_indptr as int32 [B+1] with unit stride. Offsets of another layout,
+    dtype or length must be refused by run(validate=False) with the validated run's error, out
+    left untouched: a strided view is read as other offsets (here requests without query tokens,
+    rows left unwritten), int64 offsets as pairs of int32 halves by a GPU kernel compiled for
+    int32 ones, and B offsets one past their end."""
+    case = Case(lens=(5, 40, 17), lengths="run", mode="packed", q_lens=(2, 3, 1), seq_len_q=3)
+    inp = build(case)
+    indptr = inp.qo_indptr
+    if what == "strided":
+        indptr, exc, pattern = torch.stack([indptr, indptr], 1)[:, 0], ValueError, "qo_indptr must be contiguous"
+        assert torch.equal(indptr, inp.qo_indptr)
+    elif what == "int64":
+        indptr, exc, pattern = indptr.long(), TypeError, "qo_indptr must be int32"
+    else:
+        indptr, exc, pattern = indptr[:-1], ValueError, r"qo_indptr must have shape \[B\+1\]=\[4\], got \[3\]"
+    w = plan_wrapper(case, inp)
+    out = torch.full(inp.q.shape, float("nan"), device=inp.q.device).to(BF16)
+    with pytest.raises(exc, match=pattern):
+        w.run(inp.q, inp.cache, inp.seq_lens, inp.block_tables, qo_indptr=indptr, out=out, validate=validate)
+    assert torch.isnan(out.float()).all()
+
+
 def test_packed_run_checks_the_offsets(inp):
     w = plan(packed_query=True, max_seq_len_q=2)
     q3 = torch.cat([inp.q, inp.q[:1]])  # 3 query tokens

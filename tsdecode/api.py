@@ -56,13 +56,13 @@ class _Plan:
         s = self.shape
         return V.query_shape(s.packed, s.batch_size, s.max_seq_len_q, total_q, s.num_qo_heads, s.head_dim)
 
-    def matches(self, q, paged_kv_cache, out, block_tables, seq_lens) -> bool:
+    def matches(self, q, paged_kv_cache, out, block_tables, seq_lens, qo_indptr=None) -> bool:
         """Host-only, cheap: do the tensors' shapes and dtypes, and the strides the kernels assume
         rather than take, fit this plan? (What an unvalidated run checks: a tensor of another shape
         or dtype would be read or written out of bounds, one of other strides read wrongly.) A
         False only sends the run through the full tensor checks, which say what is wrong."""
         s = self.shape
-        q_shape, q_row, combined_page, page, lens_shape, kv_inner = self._expected_shapes
+        q_shape, q_row, combined_page, page, lens_shape, kv_inner, indptr_shape = self._expected_shapes
         try:
             if q.dtype != s.q_dtype or q.stride(-1) != 1:
                 return False
@@ -90,7 +90,10 @@ class _Plan:
                 return False
             if seq_lens.dtype != torch.int32 or seq_lens.shape != lens_shape:
                 return False
-            return seq_lens.stride(0) == 1 or s.batch_size == 1
+            if seq_lens.stride(0) != 1 and s.batch_size > 1:
+                return False
+            return qo_indptr is None or (qo_indptr.dtype == torch.int32 and qo_indptr.shape == indptr_shape
+                                         and qo_indptr.stride(0) == 1)
         except (AttributeError, IndexError, TypeError, ValueError):  # not tensors, 0-d ones, or not a (K, V) pair
             return False
 
@@ -98,14 +101,14 @@ class _Plan:
     def _expected_shapes(self) -> tuple:
         """(q's shape, None when packed; a packed q's [Hq, D]; a combined cache's [2, Hkv, P, D];
         a page [Hkv, P, D]; the lengths' [B]; the cache's last strides, which the kernels assume
-        (token stride D, head-dim stride 1; the token stride is never stepped with one-token pages))
-        for ``matches``."""
+        (token stride D, head-dim stride 1; the token stride is never stepped with one-token pages);
+        the packed offsets' [B+1]) for ``matches``."""
         s = self.shape
         page = (s.num_kv_heads, s.page_size, s.head_dim)
         q_shape = None if s.packed else torch.Size(self.q_shape(self.query_capacity))
         kv_inner = (s.head_dim, 1) if s.page_size > 1 else (1,)
         return (q_shape, torch.Size((s.num_qo_heads, s.head_dim)), torch.Size((2, *page)), torch.Size(page),
-                torch.Size((s.batch_size,)), kv_inner)
+                torch.Size((s.batch_size,)), kv_inner, torch.Size((s.batch_size + 1,)))
 
 
 def on_device(device: torch.device):
@@ -357,7 +360,7 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
     the tensors' shapes and dtypes are still matched against the plan on the host; where they do not
     match, the tensor checks run (never the metadata read) and say what is wrong."""
     s = plan.shape
-    if validate or not plan.matches(q, paged_kv_cache, out, block_tables, seq_lens):
+    if validate or not plan.matches(q, paged_kv_cache, out, block_tables, seq_lens, qo_indptr):
         q = V.require_tensor("q", q)
         kv, page_shape, kv_dtype, kv_device, cache_tensors = V.cache_page_shape(paged_kv_cache)
         V.validate_cache_against_plan(page_shape, kv_dtype, kv_device, s.num_kv_heads, s.page_size,
