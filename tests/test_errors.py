@@ -260,19 +260,22 @@ def test_wrapper_kv_layout(kv_layout, exc, pattern):
         tsdecode.BatchDecodePagedTSWrapper(kv_layout=kv_layout)
 
 
-UNVALIDATED_CHECKS = ("q dtype", "q shape", "cache dtype", "cache geometry", "out dtype", "out shape",
-                      "bmm1_scale inf")  # what run(validate=False) still checks: shapes, dtypes, scales
+UNVALIDATED_CHECKS = ("q dtype", "q shape", "q device", "cache dtype", "cache geometry", "cache device",
+                      "out dtype", "out shape", "out device",
+                      "bmm1_scale inf")  # what run(validate=False) still checks: shapes, dtypes, devices, scales
 
 
 @pytest.mark.parametrize("validate", [True, False])
-@pytest.mark.parametrize("what", ["q dtype", "q shape", "cache dtype", "cache geometry", "cache device",
-                                  "page range", "out dtype", "out shape", "bmm1_scale inf"])
+@pytest.mark.parametrize("what", ["q dtype", "q shape", "q device", "cache dtype", "cache geometry",
+                                  "cache device", "page range", "out dtype", "out shape", "out device",
+                                  "bmm1_scale inf"])
 def test_run_checks_against_plan(inp, what, validate, monkeypatch):
     """A validated run checks q, the cache and out against the plan; an unvalidated one still
-    checks their shapes and dtypes on the host (a mismatch would read or write out of bounds), with
-    the same errors and without reading the metadata."""
+    checks their shapes, dtypes and devices on the host (a mismatch would read or write out of
+    bounds, or hand a GPU kernel another device's pointer), with the same errors and without
+    reading the metadata."""
     if not validate and what not in UNVALIDATED_CHECKS:
-        pytest.skip("not checked without validation (devices, page IDs)")
+        pytest.skip("not checked without validation (page IDs)")
     w = plan(seq_lens=[5, 40])
     if not validate:
         monkeypatch.setattr(tsdecode.api, "_check_metadata_values", lambda *a: pytest.fail("metadata read"))
@@ -282,6 +285,8 @@ def test_run_checks_against_plan(inp, what, validate, monkeypatch):
         q, exc, pattern = q.half(), TypeError, r"q dtype must be torch.bfloat16 \(as planned by q_data_type"
     elif what == "q shape":
         q, pattern = q[:1], r"q must be \[B, Hq, D\] = \[2, 8, 64\], got \[1, 8, 64\]"
+    elif what == "q device":
+        q, pattern = torch.empty(q.shape, dtype=q.dtype, device="meta"), "q must be on"
     elif what == "cache dtype":
         cache, exc, pattern = cache.half(), TypeError, "paged_kv_cache dtype must be torch.bfloat16"
     elif what == "cache geometry":
@@ -296,6 +301,8 @@ def test_run_checks_against_plan(inp, what, validate, monkeypatch):
                              r"out dtype must be torch.bfloat16 \(as planned by o_data_type")
     elif what == "out shape":
         out, pattern = torch.empty(2, 8, 32, dtype=BF16, device=q.device), "out must be q's shape"
+    elif what == "out device":
+        out, pattern = torch.empty(q.shape, dtype=BF16, device="meta"), "out must be on"
     else:
         kw, pattern = dict(bmm1_scale=float("inf")), "bmm1_scale must be finite"
     with pytest.raises(exc, match=pattern):
@@ -321,17 +328,17 @@ RUN_METADATA_ERRORS = {  # (plan kw, run change, exception, pattern)
 }
 
 
-UNVALIDATED_METADATA_CHECKS = ("block_tables rows", "block_tables int64", "seq_lens int64", "seq_lens shape",
-                               "seq_lens strided")
+UNVALIDATED_METADATA_CHECKS = ("block_tables rows", "block_tables int64", "block_tables on another device",
+                               "seq_lens int64", "seq_lens shape", "seq_lens strided", "seq_lens on another device")
 
 
 @pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("name", list(RUN_METADATA_ERRORS))
 def test_run_checks_metadata(inp, name, validate):
     """A validated run checks the per-run metadata (run-owned lengths) against the plan; an
-    unvalidated one its tensors' shapes and dtypes."""
+    unvalidated one its tensors' shapes, dtypes, devices and the strides the kernels assume."""
     if not validate and name not in UNVALIDATED_METADATA_CHECKS:
-        pytest.skip("not checked without validation (values, devices)")
+        pytest.skip("not checked without validation (values)")
     plan_kw, change, exc, pattern = RUN_METADATA_ERRORS[name]
     w = plan(**plan_kw)
     q, bt, sl = inp.q, inp.block_tables, inp.seq_lens
@@ -447,13 +454,14 @@ def test_who_owns_the_lengths_is_checked_even_without_validation(inp, validate):
 
 
 @pytest.mark.parametrize("validate", [True, False])
-@pytest.mark.parametrize("what", ["strided", "int64", "B offsets"])
+@pytest.mark.parametrize("what", ["strided", "int64", "B offsets", "another device"])
 def test_packed_offsets_are_checked_unvalidated_too(what, validate):
     """The kernels read qo_indptr as int32 [B+1] with unit stride. Offsets of another layout,
     dtype or length must be refused by run(validate=False) with the validated run's error, out
     left untouched: a strided view is read as other offsets (here requests without query tokens,
     rows left unwritten), int64 offsets as pairs of int32 halves by a GPU kernel compiled for
-    int32 ones, and B offsets one past their end."""
+    int32 ones, B offsets one past their end, and another device's by a pointer the kernel cannot
+    use."""
     case = Case(lens=(5, 40, 17), lengths="run", mode="packed", q_lens=(2, 3, 1), seq_len_q=3)
     inp = build(case)
     indptr = inp.qo_indptr
@@ -462,6 +470,8 @@ def test_packed_offsets_are_checked_unvalidated_too(what, validate):
         assert torch.equal(indptr, inp.qo_indptr)
     elif what == "int64":
         indptr, exc, pattern = indptr.long(), TypeError, "qo_indptr must be int32"
+    elif what == "another device":
+        indptr, exc, pattern = torch.empty(4, dtype=torch.int32, device="meta"), ValueError, "qo_indptr must be on"
     else:
         indptr, exc, pattern = indptr[:-1], ValueError, r"qo_indptr must have shape \[B\+1\]=\[4\], got \[3\]"
     w = plan_wrapper(case, inp)

@@ -57,26 +57,28 @@ class _Plan:
         return V.query_shape(s.packed, s.batch_size, s.max_seq_len_q, total_q, s.num_qo_heads, s.head_dim)
 
     def matches(self, q, paged_kv_cache, out, block_tables, seq_lens, qo_indptr=None) -> bool:
-        """Host-only, cheap: do the tensors' shapes and dtypes, and the strides the kernels assume
-        rather than take, fit this plan? (What an unvalidated run checks: a tensor of another shape
-        or dtype would be read or written out of bounds, one of other strides read wrongly.) A
-        False only sends the run through the full tensor checks, which say what is wrong."""
-        s = self.shape
+        """Host-only, cheap: do the tensors' shapes, dtypes and devices, and the strides the kernels
+        assume rather than take, fit this plan? (What an unvalidated run checks: a tensor of another
+        shape or dtype would be read or written out of bounds, one of other strides read wrongly,
+        one on another device through a pointer the kernels cannot use.) A False only sends the run
+        through the full tensor checks, which say what is wrong."""
+        s, device = self.shape, self.device
         q_shape, q_row, combined_page, page, lens_shape, kv_inner, indptr_shape = self._expected_shapes
         try:
-            if q.dtype != s.q_dtype or q.stride(-1) != 1:
+            if q.dtype != s.q_dtype or q.stride(-1) != 1 or q.device != device:
                 return False
             if q_shape is not None:
                 if q.shape != q_shape:
                     return False
             elif q.dim() != 3 or q.shape[0] > self.query_capacity or q.shape[1:] != q_row:  # packed
                 return False
-            if out is not None and (out.shape != q.shape or out.dtype != s.o_dtype or out.stride(-1) != 1):
+            if out is not None and (out.shape != q.shape or out.dtype != s.o_dtype or out.stride(-1) != 1
+                                    or out.device != device):
                 return False
             if isinstance(paged_kv_cache, torch.Tensor):
                 if paged_kv_cache.dtype != s.kv_dtype or paged_kv_cache.shape[1:] != combined_page:
                     return False
-                if paged_kv_cache.stride()[-len(kv_inner):] != kv_inner:
+                if paged_kv_cache.stride()[-len(kv_inner):] != kv_inner or paged_kv_cache.device != device:
                     return False
             else:
                 k, v = paged_kv_cache
@@ -84,16 +86,20 @@ class _Plan:
                     return False
                 if k.stride()[-len(kv_inner):] != kv_inner or v.stride()[-len(kv_inner):] != kv_inner:
                     return False
+                if k.device != device or v.device != device:
+                    return False
             if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != s.batch_size:
                 return False
             if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:  # a row is read with unit stride
                 return False
+            if block_tables.device != device:
+                return False
             if seq_lens.dtype != torch.int32 or seq_lens.shape != lens_shape:
                 return False
-            if seq_lens.stride(0) != 1 and s.batch_size > 1:
+            if (seq_lens.stride(0) != 1 and s.batch_size > 1) or seq_lens.device != device:
                 return False
             return qo_indptr is None or (qo_indptr.dtype == torch.int32 and qo_indptr.shape == indptr_shape
-                                         and qo_indptr.stride(0) == 1)
+                                         and qo_indptr.stride(0) == 1 and qo_indptr.device == device)
         except (AttributeError, IndexError, TypeError, ValueError):  # not tensors, 0-d ones, or not a (K, V) pair
             return False
 
