@@ -581,11 +581,13 @@ def test_plan_checks_the_gpus_capability(device_override):
     plan()
 
 
+@pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("target", ["cache", "K", "V", "block_tables", "seq_lens", "workspace_buffer"])
-def test_out_must_not_overlap_any_input(target):
+def test_out_must_not_overlap_any_input(target, validate):
     """run refuses an out whose bytes overlap any tensor the kernels read or write (checked by
     byte span: combined or separate cache, the block table, the run's lengths and the plan's
-    workspace), and accepts the same buffer's bytes right past that tensor."""
+    workspace), validated or not (unvalidated, the kernels would write into an input they read,
+    the caller's cache included), and accepts the same buffer's bytes right past that tensor."""
     case = Case(lens=(40, 33), separate=target in ("K", "V"), lengths="run",
                 config=KernelConfig(block_n=16, block_m=16, num_kv_splits=2))  # every row: 3 live pages
     inp = build(case)
@@ -618,12 +620,36 @@ def test_out_must_not_overlap_any_input(target):
     w = plan_wrapper(case, inp, workspace_buffer=workspace)
     overlapping = buf[vbytes - 2 : vbytes - 2 + out_bytes].view(BF16).view(q.shape)
     with pytest.raises(ValueError, match=f"out must not alias {target if target in ('block_tables', 'seq_lens', 'workspace_buffer') else 'paged_kv_cache'}"):
-        w.run(q, cache, seq_lens, block_tables, out=overlapping)
+        w.run(q, cache, seq_lens, block_tables, out=overlapping, validate=validate)
     past = buf[nbytes : nbytes + out_bytes].view(BF16).view(q.shape)
     past.fill_(float("nan"))
-    assert w.run(q, cache, seq_lens, block_tables, out=past) is past
+    assert w.run(q, cache, seq_lens, block_tables, out=past, validate=validate) is past
     ref = w.run(q, cache, seq_lens, block_tables)
     assert torch.isfinite(past.float()).all() and torch.equal(past, ref)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("out_kind", ["expanded over the batch", "q itself", "the cache's first bytes"])
+def test_an_overlapping_out_is_refused_unvalidated_too(out_kind, validate):
+    """An out of q's shape and dtype whose elements share memory with each other (a stride-0
+    view) or with an input (q, the cache) must be refused by run(validate=False) with the
+    validated run's error: written as it was, requests overwrite each other's rows, or the
+    kernels overwrite the cache they are reading (a silently wrong output and a damaged cache)."""
+    case = Case(lens=(5, 40, 17), lengths="run")
+    inp = build(case)
+    cache_before = inp.cache.clone()
+    if out_kind == "expanded over the batch":
+        out = torch.full(inp.q.shape[1:], float("nan"), device=inp.q.device).to(BF16).expand(inp.q.shape)
+        pattern = "out must not overlap itself"
+    elif out_kind == "q itself":
+        out, pattern = inp.q, "out must not alias q"
+    else:
+        out = inp.cache.view(-1)[: inp.q.numel()].view(inp.q.shape)
+        pattern = "out must not alias paged_kv_cache"
+    w = plan_wrapper(case, inp)
+    with pytest.raises(ValueError, match=pattern):
+        w.run(inp.q, inp.cache, inp.seq_lens, inp.block_tables, out=out, validate=validate)
+    assert torch.equal(inp.cache, cache_before)
 
 
 @pytest.mark.parametrize("owner", ["plan", "run", "run, max_kv_len 4096"])

@@ -58,10 +58,11 @@ class _Plan:
 
     def matches(self, q, paged_kv_cache, out, block_tables, seq_lens, qo_indptr=None) -> bool:
         """Host-only, cheap: do the tensors' shapes, dtypes and devices, and the strides the kernels
-        assume rather than take, fit this plan? (What an unvalidated run checks: a tensor of another
-        shape or dtype would be read or written out of bounds, one of other strides read wrongly,
-        one on another device through a pointer the kernels cannot use.) A False only sends the run
-        through the full tensor checks, which say what is wrong."""
+        assume rather than take, fit this plan, and is out apart from itself and the inputs? (What
+        an unvalidated run checks: a tensor of another shape or dtype would be read or written out
+        of bounds, one of other strides read wrongly, one on another device through a pointer the
+        kernels cannot use, and an overlapping out would overwrite what they read.) A False only
+        sends the run through the full tensor checks, which say what is wrong."""
         s, device = self.shape, self.device
         q_shape, q_row, combined_page, page, lens_shape, kv_inner, indptr_shape = self._expected_shapes
         try:
@@ -98,10 +99,29 @@ class _Plan:
                 return False
             if (seq_lens.stride(0) != 1 and s.batch_size > 1) or seq_lens.device != device:
                 return False
-            return qo_indptr is None or (qo_indptr.dtype == torch.int32 and qo_indptr.shape == indptr_shape
-                                         and qo_indptr.stride(0) == 1 and qo_indptr.device == device)
+            if qo_indptr is not None and not (qo_indptr.dtype == torch.int32 and qo_indptr.shape == indptr_shape
+                                              and qo_indptr.stride(0) == 1 and qo_indptr.device == device):
+                return False
+            if out is None:
+                return True
+            # out apart from itself and the inputs; a shared storage only sends the run to the full
+            # checks, which compare byte spans (out may lie beside an input in one buffer)
+            if not out.is_contiguous() and V.overlaps_itself(out):
+                return False
+            base = out.untyped_storage().data_ptr()
+            if base == self._workspace_storage:
+                return False
+            kv = (paged_kv_cache,) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
+            for t in (q, *kv, block_tables, seq_lens, qo_indptr):
+                if t is not None and t.untyped_storage().data_ptr() == base:
+                    return False
+            return True
         except (AttributeError, IndexError, TypeError, ValueError):  # not tensors, 0-d ones, or not a (K, V) pair
             return False
+
+    @functools.cached_property
+    def _workspace_storage(self) -> int:
+        return self.workspace.untyped_storage().data_ptr()
 
     @functools.cached_property
     def _expected_shapes(self) -> tuple:
