@@ -260,19 +260,22 @@ def test_wrapper_kv_layout(kv_layout, exc, pattern):
         tsdecode.BatchDecodePagedTSWrapper(kv_layout=kv_layout)
 
 
-UNVALIDATED_CHECKS = ("q dtype", "q shape", "cache dtype", "cache geometry", "out dtype", "out shape",
-                      "bmm1_scale inf")  # what run(validate=False) still checks: shapes, dtypes, scales
+UNVALIDATED_CHECKS = ("q dtype", "q shape", "q device", "cache dtype", "cache geometry", "cache device",
+                      "out dtype", "out shape", "out device",
+                      "bmm1_scale inf")  # what run(validate=False) still checks: shapes, dtypes, devices, scales
 
 
 @pytest.mark.parametrize("validate", [True, False])
-@pytest.mark.parametrize("what", ["q dtype", "q shape", "cache dtype", "cache geometry", "cache device",
-                                  "page range", "out dtype", "out shape", "bmm1_scale inf"])
+@pytest.mark.parametrize("what", ["q dtype", "q shape", "q device", "cache dtype", "cache geometry",
+                                  "cache device", "page range", "out dtype", "out shape", "out device",
+                                  "bmm1_scale inf"])
 def test_run_checks_against_plan(inp, what, validate, monkeypatch):
     """A validated run checks q, the cache and out against the plan; an unvalidated one still
-    checks their shapes and dtypes on the host (a mismatch would read or write out of bounds), with
-    the same errors and without reading the metadata."""
+    checks their shapes, dtypes and devices on the host (a mismatch would read or write out of
+    bounds, or hand a GPU kernel another device's pointer), with the same errors and without
+    reading the metadata."""
     if not validate and what not in UNVALIDATED_CHECKS:
-        pytest.skip("not checked without validation (devices, page IDs)")
+        pytest.skip("not checked without validation (page IDs)")
     w = plan(seq_lens=[5, 40])
     if not validate:
         monkeypatch.setattr(tsdecode.api, "_check_metadata_values", lambda *a: pytest.fail("metadata read"))
@@ -282,6 +285,8 @@ def test_run_checks_against_plan(inp, what, validate, monkeypatch):
         q, exc, pattern = q.half(), TypeError, r"q dtype must be torch.bfloat16 \(as planned by q_data_type"
     elif what == "q shape":
         q, pattern = q[:1], r"q must be \[B, Hq, D\] = \[2, 8, 64\], got \[1, 8, 64\]"
+    elif what == "q device":
+        q, pattern = torch.empty(q.shape, dtype=q.dtype, device="meta"), "q must be on"
     elif what == "cache dtype":
         cache, exc, pattern = cache.half(), TypeError, "paged_kv_cache dtype must be torch.bfloat16"
     elif what == "cache geometry":
@@ -296,6 +301,8 @@ def test_run_checks_against_plan(inp, what, validate, monkeypatch):
                              r"out dtype must be torch.bfloat16 \(as planned by o_data_type")
     elif what == "out shape":
         out, pattern = torch.empty(2, 8, 32, dtype=BF16, device=q.device), "out must be q's shape"
+    elif what == "out device":
+        out, pattern = torch.empty(q.shape, dtype=BF16, device="meta"), "out must be on"
     else:
         kw, pattern = dict(bmm1_scale=float("inf")), "bmm1_scale must be finite"
     with pytest.raises(exc, match=pattern):
@@ -321,16 +328,17 @@ RUN_METADATA_ERRORS = {  # (plan kw, run change, exception, pattern)
 }
 
 
-UNVALIDATED_METADATA_CHECKS = ("block_tables rows", "block_tables int64", "seq_lens int64", "seq_lens shape")
+UNVALIDATED_METADATA_CHECKS = ("block_tables rows", "block_tables int64", "block_tables on another device",
+                               "seq_lens int64", "seq_lens shape", "seq_lens strided", "seq_lens on another device")
 
 
 @pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("name", list(RUN_METADATA_ERRORS))
 def test_run_checks_metadata(inp, name, validate):
     """A validated run checks the per-run metadata (run-owned lengths) against the plan; an
-    unvalidated one its tensors' shapes and dtypes."""
+    unvalidated one its tensors' shapes, dtypes, devices and the strides the kernels assume."""
     if not validate and name not in UNVALIDATED_METADATA_CHECKS:
-        pytest.skip("not checked without validation (values, strides, devices)")
+        pytest.skip("not checked without validation (values)")
     plan_kw, change, exc, pattern = RUN_METADATA_ERRORS[name]
     w = plan(**plan_kw)
     q, bt, sl = inp.q, inp.block_tables, inp.seq_lens
@@ -355,6 +363,76 @@ def test_run_checks_metadata(inp, name, validate):
         w.run(args["q"], inp.cache, args["seq_lens"], args["block_tables"], validate=validate)
 
 
+def _wider_head_dim(t: torch.Tensor) -> torch.Tensor:
+    """t's values as a view of the first half of a buffer with twice t's head dim."""
+    wide = torch.randn(*t.shape[:-1], 2 * t.shape[-1], device=t.device).to(t.dtype)
+    wide[..., : t.shape[-1]] = t
+    return wide[..., : t.shape[-1]]
+
+
+def _nhd_view(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """t's values (HND, heads at dim ``heads``) stored as NHD and seen through a transposed view."""
+    return t.transpose(heads, heads + 1).contiguous().transpose(heads, heads + 1)
+
+
+CACHE_LAYOUTS = {  # (separate K/V, the cache from build's, the validated run's error)
+    "combined, a slice of a wider head dim": (False, _wider_head_dim, "compact inside a page"),
+    "combined, an NHD cache's view": (False, lambda c: _nhd_view(c, 2), "compact HND strides inside a page"),
+    "separate, K a slice of a wider head dim": (True, lambda kv: (_wider_head_dim(kv[0]), kv[1]),
+                                               "K needs compact HND strides"),
+    "separate, V an NHD cache's view": (True, lambda kv: (kv[0], _nhd_view(kv[1], 1)),
+                                        "V needs compact HND strides"),
+}
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("layout", list(CACHE_LAYOUTS))
+def test_a_cache_laid_out_otherwise_inside_a_page_is_refused_unvalidated_too(layout, validate):
+    """The kernels take only the page and head strides of K and V and step through a page with
+    token stride D and head-dim stride 1. A cache of the planned shape and dtype laid out
+    otherwise inside a page (a slice of a wider head dim, an NHD cache's transposed view, K and V
+    of different layouts) must be refused by run(validate=False) with the validated run's error,
+    out left untouched, instead of being read as if compact (a silently wrong output)."""
+    separate, change, pattern = CACHE_LAYOUTS[layout]
+    case = Case(lens=(5, 40, 17), separate=separate, lengths="run")
+    inp = build(case)
+    cache = change(inp.cache)
+    for t in (cache if separate else (cache,)):
+        assert t.stride(-1) == 1
+    assert all(torch.equal(a, b) for a, b in zip(cache if separate else (cache,),
+                                                  inp.cache if separate else (inp.cache,)))
+    w = plan_wrapper(case, inp)
+    out = torch.full(inp.q.shape, float("nan"), device=inp.q.device).to(BF16)
+    with pytest.raises(ValueError, match=pattern):
+        w.run(inp.q, cache, inp.seq_lens, inp.block_tables, out=out, validate=validate)
+    assert torch.isnan(out.float()).all()
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("what", ["block_tables column-major", "seq_lens strided"])
+def test_metadata_read_with_unit_stride_is_refused_unvalidated_too(what, validate):
+    """The kernels read a block-table row and the lengths with unit stride (of the table they
+    take only the row stride). A column-major block table, or strided lengths, of the planned
+    shape and dtype must be refused by run(validate=False) with the validated run's error, out
+    left untouched, instead of being read as if contiguous (other requests' page IDs and lengths:
+    a silently wrong output here, where every entry is a page ID inside the cache and every
+    length in range; reads outside the cache elsewhere)."""
+    case = Case(lens=(5, 40, 17), lengths="run", pad_value=0)
+    inp = build(case)
+    bt, lens = inp.block_tables, inp.seq_lens
+    if what == "block_tables column-major":
+        bt, pattern = bt.t().contiguous().t(), "block_tables rows must be contiguous"
+    else:
+        holder = torch.stack([lens, lens.flip(0)], 1)  # in-range lengths between the real ones
+        lens, pattern = holder[:, 0], "seq_lens must be contiguous"
+    assert torch.equal(bt, inp.block_tables) and torch.equal(lens, inp.seq_lens)
+    w = plan_wrapper(case, inp)
+    out = torch.full(inp.q.shape, float("nan"), device=inp.q.device).to(BF16)
+    with pytest.raises(ValueError, match=pattern):
+        w.run(inp.q, inp.cache, lens, bt, out=out, validate=validate)
+    assert torch.isnan(out.float()).all()
+
+
 @pytest.mark.parametrize("validate", [True, False])
 def test_who_owns_the_lengths_is_checked_even_without_validation(inp, validate):
     """seq_lens to run iff the plan does not own them; qo_indptr iff the plan is packed: checked
@@ -373,6 +451,34 @@ def test_who_owns_the_lengths_is_checked_even_without_validation(inp, validate):
         packed.run(inp.q, inp.cache, inp.seq_lens, inp.block_tables, validate=validate)
     with pytest.raises(TypeError, match="validate must be a bool"):
         per_run.run(inp.q, inp.cache, inp.seq_lens, inp.block_tables, validate=1)
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("what", ["strided", "int64", "B offsets", "another device"])
+def test_packed_offsets_are_checked_unvalidated_too(what, validate):
+    """The kernels read qo_indptr as int32 [B+1] with unit stride. Offsets of another layout,
+    dtype or length must be refused by run(validate=False) with the validated run's error, out
+    left untouched: a strided view is read as other offsets (here requests without query tokens,
+    rows left unwritten), int64 offsets as pairs of int32 halves by a GPU kernel compiled for
+    int32 ones, B offsets one past their end, and another device's by a pointer the kernel cannot
+    use."""
+    case = Case(lens=(5, 40, 17), lengths="run", mode="packed", q_lens=(2, 3, 1), seq_len_q=3)
+    inp = build(case)
+    indptr = inp.qo_indptr
+    if what == "strided":
+        indptr, exc, pattern = torch.stack([indptr, indptr], 1)[:, 0], ValueError, "qo_indptr must be contiguous"
+        assert torch.equal(indptr, inp.qo_indptr)
+    elif what == "int64":
+        indptr, exc, pattern = indptr.long(), TypeError, "qo_indptr must be int32"
+    elif what == "another device":
+        indptr, exc, pattern = torch.empty(4, dtype=torch.int32, device="meta"), ValueError, "qo_indptr must be on"
+    else:
+        indptr, exc, pattern = indptr[:-1], ValueError, r"qo_indptr must have shape \[B\+1\]=\[4\], got \[3\]"
+    w = plan_wrapper(case, inp)
+    out = torch.full(inp.q.shape, float("nan"), device=inp.q.device).to(BF16)
+    with pytest.raises(exc, match=pattern):
+        w.run(inp.q, inp.cache, inp.seq_lens, inp.block_tables, qo_indptr=indptr, out=out, validate=validate)
+    assert torch.isnan(out.float()).all()
 
 
 def test_packed_run_checks_the_offsets(inp):
@@ -475,11 +581,13 @@ def test_plan_checks_the_gpus_capability(device_override):
     plan()
 
 
+@pytest.mark.parametrize("validate", [True, False])
 @pytest.mark.parametrize("target", ["cache", "K", "V", "block_tables", "seq_lens", "workspace_buffer"])
-def test_out_must_not_overlap_any_input(target):
+def test_out_must_not_overlap_any_input(target, validate):
     """run refuses an out whose bytes overlap any tensor the kernels read or write (checked by
     byte span: combined or separate cache, the block table, the run's lengths and the plan's
-    workspace), and accepts the same buffer's bytes right past that tensor."""
+    workspace), validated or not (unvalidated, the kernels would write into an input they read,
+    the caller's cache included), and accepts the same buffer's bytes right past that tensor."""
     case = Case(lens=(40, 33), separate=target in ("K", "V"), lengths="run",
                 config=KernelConfig(block_n=16, block_m=16, num_kv_splits=2))  # every row: 3 live pages
     inp = build(case)
@@ -512,10 +620,10 @@ def test_out_must_not_overlap_any_input(target):
     w = plan_wrapper(case, inp, workspace_buffer=workspace)
     overlapping = buf[vbytes - 2 : vbytes - 2 + out_bytes].view(BF16).view(q.shape)
     with pytest.raises(ValueError, match=f"out must not alias {target if target in ('block_tables', 'seq_lens', 'workspace_buffer') else 'paged_kv_cache'}"):
-        w.run(q, cache, seq_lens, block_tables, out=overlapping)
+        w.run(q, cache, seq_lens, block_tables, out=overlapping, validate=validate)
     past = buf[nbytes : nbytes + out_bytes].view(BF16).view(q.shape)
     past.fill_(float("nan"))
-    assert w.run(q, cache, seq_lens, block_tables, out=past) is past
+    assert w.run(q, cache, seq_lens, block_tables, out=past, validate=validate) is past
     ref = w.run(q, cache, seq_lens, block_tables)
     assert torch.isfinite(past.float()).all() and torch.equal(past, ref)
 
@@ -552,6 +660,30 @@ def test_workspace_must_not_overlap_any_input(target):
     assert w.run(*args, out=out) is out
     rel, _ = errors(out, ref)
     assert rel < 1.2e-2, rel
+
+
+@pytest.mark.parametrize("validate", [True, False])
+@pytest.mark.parametrize("out_kind", ["expanded over the batch", "q itself", "the cache's first bytes"])
+def test_an_overlapping_out_is_refused_unvalidated_too(out_kind, validate):
+    """An out of q's shape and dtype whose elements share memory with each other (a stride-0
+    view) or with an input (q, the cache) must be refused by run(validate=False) with the
+    validated run's error: written as it was, requests overwrite each other's rows, or the
+    kernels overwrite the cache they are reading (a silently wrong output and a damaged cache)."""
+    case = Case(lens=(5, 40, 17), lengths="run")
+    inp = build(case)
+    cache_before = inp.cache.clone()
+    if out_kind == "expanded over the batch":
+        out = torch.full(inp.q.shape[1:], float("nan"), device=inp.q.device).to(BF16).expand(inp.q.shape)
+        pattern = "out must not overlap itself"
+    elif out_kind == "q itself":
+        out, pattern = inp.q, "out must not alias q"
+    else:
+        out = inp.cache.view(-1)[: inp.q.numel()].view(inp.q.shape)
+        pattern = "out must not alias paged_kv_cache"
+    w = plan_wrapper(case, inp)
+    with pytest.raises(ValueError, match=pattern):
+        w.run(inp.q, inp.cache, inp.seq_lens, inp.block_tables, out=out, validate=validate)
+    assert torch.equal(inp.cache, cache_before)
 
 
 @pytest.mark.parametrize("owner", ["plan", "run", "run, max_kv_len 4096"])

@@ -56,44 +56,82 @@ class _Plan:
         s = self.shape
         return V.query_shape(s.packed, s.batch_size, s.max_seq_len_q, total_q, s.num_qo_heads, s.head_dim)
 
-    def matches(self, q, paged_kv_cache, out, block_tables, seq_lens) -> bool:
-        """Host-only, cheap: do the tensors' shapes and dtypes fit this plan? (What an unvalidated
-        run checks: a tensor of another shape or dtype would be read or written out of bounds.) A
-        False only sends the run through the full tensor checks, which say what is wrong."""
-        s = self.shape
-        q_shape, q_row, combined_page, page, lens_shape = self._expected_shapes
+    def matches(self, q, paged_kv_cache, out, block_tables, seq_lens, qo_indptr=None) -> bool:
+        """Host-only, cheap: do the tensors' shapes, dtypes and devices, and the strides the kernels
+        assume rather than take, fit this plan, and is out apart from itself and the inputs? (What
+        an unvalidated run checks: a tensor of another shape or dtype would be read or written out
+        of bounds, one of other strides read wrongly, one on another device through a pointer the
+        kernels cannot use, and an overlapping out would overwrite what they read.) A False only
+        sends the run through the full tensor checks, which say what is wrong."""
+        s, device = self.shape, self.device
+        q_shape, q_row, combined_page, page, lens_shape, kv_inner, indptr_shape = self._expected_shapes
         try:
-            if q.dtype != s.q_dtype or q.stride(-1) != 1:
+            if q.dtype != s.q_dtype or q.stride(-1) != 1 or q.device != device:
                 return False
             if q_shape is not None:
                 if q.shape != q_shape:
                     return False
             elif q.dim() != 3 or q.shape[0] > self.query_capacity or q.shape[1:] != q_row:  # packed
                 return False
-            if out is not None and (out.shape != q.shape or out.dtype != s.o_dtype or out.stride(-1) != 1):
+            if out is not None and (out.shape != q.shape or out.dtype != s.o_dtype or out.stride(-1) != 1
+                                    or out.device != device):
                 return False
             if isinstance(paged_kv_cache, torch.Tensor):
                 if paged_kv_cache.dtype != s.kv_dtype or paged_kv_cache.shape[1:] != combined_page:
+                    return False
+                if paged_kv_cache.stride()[-len(kv_inner):] != kv_inner or paged_kv_cache.device != device:
                     return False
             else:
                 k, v = paged_kv_cache
                 if k.dtype != s.kv_dtype or v.dtype != s.kv_dtype or k.shape[1:] != page or v.shape != k.shape:
                     return False
+                if k.stride()[-len(kv_inner):] != kv_inner or v.stride()[-len(kv_inner):] != kv_inner \
+                        or k.device != device or v.device != device:
+                    return False
             if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != s.batch_size:
                 return False
-            return seq_lens.dtype == torch.int32 and seq_lens.shape == lens_shape
+            if (block_tables.stride(1) != 1 and block_tables.shape[1] > 1) or block_tables.device != device:
+                return False  # a row is read with unit stride
+            if seq_lens.dtype != torch.int32 or seq_lens.shape != lens_shape:
+                return False
+            if (seq_lens.stride(0) != 1 and s.batch_size > 1) or seq_lens.device != device:
+                return False
+            if qo_indptr is not None and not (qo_indptr.dtype == torch.int32 and qo_indptr.shape == indptr_shape
+                                              and qo_indptr.stride(0) == 1 and qo_indptr.device == device):
+                return False
+            if out is None:
+                return True
+            # out apart from itself and the inputs; a shared storage only sends the run to the full
+            # checks, which compare byte spans (out may lie beside an input in one buffer)
+            if not out.is_contiguous() and V.overlaps_itself(out):
+                return False
+            base = out.untyped_storage().data_ptr()
+            if base == self._workspace_storage:
+                return False
+            kv = (paged_kv_cache,) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
+            for t in (q, *kv, block_tables, seq_lens, qo_indptr):
+                if t is not None and t.untyped_storage().data_ptr() == base:
+                    return False
+            return True
         except (AttributeError, IndexError, TypeError, ValueError):  # not tensors, 0-d ones, or not a (K, V) pair
             return False
 
     @functools.cached_property
+    def _workspace_storage(self) -> int:
+        return self.workspace.untyped_storage().data_ptr()
+
+    @functools.cached_property
     def _expected_shapes(self) -> tuple:
         """(q's shape, None when packed; a packed q's [Hq, D]; a combined cache's [2, Hkv, P, D];
-        a page [Hkv, P, D]; the lengths' [B]) for ``matches``."""
+        a page [Hkv, P, D]; the lengths' [B]; the cache's last strides, which the kernels assume
+        (token stride D, head-dim stride 1; the token stride is never stepped with one-token pages);
+        the packed offsets' [B+1]) for ``matches``."""
         s = self.shape
         page = (s.num_kv_heads, s.page_size, s.head_dim)
         q_shape = None if s.packed else torch.Size(self.q_shape(self.query_capacity))
+        kv_inner = (s.head_dim, 1) if s.page_size > 1 else (1,)
         return (q_shape, torch.Size((s.num_qo_heads, s.head_dim)), torch.Size((2, *page)), torch.Size(page),
-                torch.Size((s.batch_size,)))
+                torch.Size((s.batch_size,)), kv_inner, torch.Size((s.batch_size + 1,)))
 
 
 def on_device(device: torch.device):
@@ -345,7 +383,7 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
     the tensors' shapes and dtypes are still matched against the plan on the host; where they do not
     match, the tensor checks run (never the metadata read) and say what is wrong."""
     s = plan.shape
-    if validate or not plan.matches(q, paged_kv_cache, out, block_tables, seq_lens):
+    if validate or not plan.matches(q, paged_kv_cache, out, block_tables, seq_lens, qo_indptr):
         q = V.require_tensor("q", q)
         kv, page_shape, kv_dtype, kv_device, cache_tensors = V.cache_page_shape(paged_kv_cache)
         V.validate_cache_against_plan(page_shape, kv_dtype, kv_device, s.num_kv_heads, s.page_size,

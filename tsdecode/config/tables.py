@@ -226,7 +226,7 @@ def set_config_path(path: str | os.PathLike | None) -> None:
 
 # What platformdirs reads to place the user cache folder (Linux, macOS, Windows): the folder is
 # cached per value of these, since every plan asks for it.
-_USER_DIR_ENV = ("XDG_CACHE_HOME", "HOME", "LOCALAPPDATA", "USERPROFILE")
+_USER_DIR_ENV = ("XDG_CACHE_HOME", "HOME", "LOCALAPPDATA", "WIN_PD_OVERRIDE_LOCAL_APPDATA", "USERPROFILE")
 
 
 def user_config_dir() -> Path:
