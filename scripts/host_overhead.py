@@ -38,7 +38,9 @@ Rows (S = splits of the explicit config block_n 16, block_m 16, 1 warp, 3 stages
 --other PATH loads another source tree's tsdecode as a package of its own (``ab_trees.py``'s
 ``load_other_tree``; the old call form ``plan(block_tables, seq_lens_kv, ...)`` / ``run(q,
 cache, out=)`` or the FlashInfer one) and times its run, plan and one-shot rows in the same
-rounds, printed beside this tree's; its run is set against this tree's run(validate=False, out=).
+rounds, printed beside this tree's (with its launcher swapped for a no-op too, where its plan is
+the same kind of dataclass: the checks-only row); its run is set against this tree's
+run(validate=False, out=).
 
 --rows REGEX times only the rows whose name it finds. On the CPU the rows that launch kernels time
 Triton's interpreter, but the plan rows (``--rows '^plan[ ,]'``) time the same Python path as on a
@@ -199,7 +201,8 @@ def this_tree_rows(s, splits: int, dev, n: int, plan_n: int, compiled: bool) -> 
         rows += [(f"plan, not shared (S={splits})", plan_not_shared, plan_n),
                  (f"plan's compile step, shared (S={splits})", lambda: plan.launch.compile(q_shape), plan_n),
                  (f"plan's compile step, warmup (S={splits})", compile_warmup, plan_n)]
-    pairs = {"run": rows[0][0], "run_checked": rows[2][0], "plan": f"plan (S={splits})"}
+    pairs = {"run": rows[0][0], "run_checked": rows[2][0], "plan": f"plan (S={splits})",
+             "checks": f"run(validate=False, out=), checks only (S={splits})"}
     return rows, pairs
 
 
@@ -222,7 +225,7 @@ def oneshot_rows(s, dev, plan_n: int) -> list:
 
 def other_tree_rows(module, s, splits: int, dev, n: int, plan_n: int) -> dict[str, tuple[str, object, int]]:
     """The other tree's run, plan and one-shot rows in its own call form, keyed by the row of this
-    tree they pair with ("run", "run_checked", "plan", "one-shot")."""
+    tree they pair with ("run", "run_checked", "checks", "plan", "plan-selected", "one-shot")."""
     B, hq, hkv, d, p, L = (SPEC.batch_size, SPEC.num_qo_heads, SPEC.num_kv_heads, SPEC.head_dim,
                            SPEC.page_size, SPEC.kv_len)
     q, cache, bt, seq_lens, out = s.q, s.cache, s.block_tables, s.seq_lens, s.out
@@ -236,6 +239,12 @@ def other_tree_rows(module, s, splits: int, dev, n: int, plan_n: int) -> dict[st
         rows["run"] = ("run(validate=False, out=)", lambda: w.run(q, cache, None, bt, out=out, validate=False), n)
         rows["run_checked"] = ("run(validate=True, out=)",
                                lambda: w.run(q, cache, None, bt, out=out, validate=True), n)
+        if dataclasses.is_dataclass(getattr(w, "_plan", None)) and hasattr(w._plan, "launch"):
+            unlaunched = module.BatchDecodePagedTSWrapper()  # its launcher swapped for a no-op, as here
+            plan(unlaunched)
+            unlaunched._plan = dataclasses.replace(unlaunched._plan, launch=lambda *args: None)
+            rows["checks"] = ("run(validate=False, out=), checks only",
+                              lambda: unlaunched.run(q, cache, None, bt, out=out, validate=False), n)
     else:  # the call form before: metadata bound at plan
         def plan(wrapper=w_plan, kw=plan_kw):
             wrapper.plan(bt, seq_lens, hq, hkv, d, p, **kw)

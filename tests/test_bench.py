@@ -440,8 +440,8 @@ def test_host_overhead_times_the_plan_rows_asked_for_as_another_gpu(tmp_path, ca
     table = os.path.join(os.path.dirname(__file__), "..", "tuned_configs", "NVIDIA_H200.json")
     root = os.path.join(os.path.dirname(__file__), "..")
     try:
-        assert host_overhead.main(["--device", "cpu", "--rows", "^plan, config selected", "--calls", "10",
-                                   "--repeats", "1", "--as-device", table, "--other", root]) == 0
+        assert host_overhead.main(["--device", "cpu", "--rows", r"^plan, config selected|validate=False, out=\), checks",
+                                   "--calls", "10", "--repeats", "1", "--as-device", table, "--other", root]) == 0
     finally:
         set_override(None)
         for name in [n for n in sys.modules if n.split(".")[0] == "tsdecode_other"]:  # the other tree
@@ -449,5 +449,8 @@ def test_host_overhead_times_the_plan_rows_asked_for_as_another_gpu(tmp_path, ca
     out = capsys.readouterr().out
     assert "described as NVIDIA H200 (132 SMs" in out
     rows = [line.split("  ")[1] for line in out.splitlines() if line.startswith("  ")]
-    assert rows == ["plan, config selected"]
-    assert "other: plan, config selected (S=1)" in out
+    assert rows == ["run(validate=False, out=), checks only (S=1)", "plan, config selected",
+                    "run(validate=False, out=), checks only (S=4)"]
+    for row in ("plan, config selected (S=1)", "run(validate=False, out=), checks only (S=1)",
+                "run(validate=False, out=), checks only (S=4)"):
+        assert f"other: {row}" in out

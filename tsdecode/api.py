@@ -407,7 +407,8 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
             out = V.validate_io_tensor("out", out, tuple(q.shape), "q's shape", s.o_dtype, plan.device,
                                       "as planned by o_data_type, whose default is q_data_type")
             V.validate_out(out, inputs + (("workspace_buffer", plan.workspace),))
-        V.validate_workspace_apart(plan.launch._partials, inputs)
+        partial_bytes = W.workspace_bytes(s, plan.selected.kernel_config.num_kv_splits)
+        V.validate_workspace_apart(plan.workspace.view(torch.uint8).view(-1)[:partial_bytes], inputs)
         bmm1, bmm2 = V.validate_scales(bmm1_scale, bmm2_scale, s.head_dim)
         if validate and not values_checked:
             _check_metadata_values(plan, block_tables, seq_lens, qo_indptr, page_shape[0], total_q)

@@ -451,13 +451,12 @@ def validate_out(out: torch.Tensor, inputs: Sequence[tuple[str, torch.Tensor]]) 
             raise ValueError(f"out must not alias {name} (their memory overlaps)")
 
 
-def validate_workspace_apart(partials: Sequence[torch.Tensor | None],
-                             inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """The split partials (in the plan's workspace_buffer) share no byte with a tensor the kernels read."""
-    for part in partials:
-        span = None if part is None else byte_span(part)
-        for name, t in inputs if span is not None else ():
-            other = byte_span(t)
-            if other is not None and span[0] <= other[1] and other[0] <= span[1]:
-                raise ValueError(f"workspace_buffer must not overlap {name}: the split partials the run writes "
-                                 f"there would overwrite it")
+def validate_workspace_apart(partials: torch.Tensor, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """The split partials (the bytes of the plan's workspace_buffer the run writes) share no byte
+    with a tensor the kernels read."""
+    span = byte_span(partials) if partials.numel() else None
+    for name, t in inputs if span is not None else ():
+        other = byte_span(t)
+        if other is not None and span[0] <= other[1] and other[0] <= span[1]:
+            raise ValueError(f"workspace_buffer must not overlap {name}: the split partials the run writes "
+                             f"there would overwrite it")
