@@ -188,6 +188,24 @@ def test_oneshot_capture_form_checks_out_against_q(inp, out_shape, monkeypatch):
         oneshot(inp, out=out, workspace_buffer=workspace, max_kv_len=64, validate=False)
 
 
+@pytest.mark.parametrize("lens, error, pattern", [
+    ("int64", TypeError, "seq_lens_kv must be int32, got torch.int64"),
+    ("2-D", ValueError, r"seq_lens_kv must have shape \[B\]=\[2\]"),
+    ("strided", ValueError, r"seq_lens_kv must be contiguous"),
+    ("list", TypeError, "seq_lens_kv must be a torch.Tensor, got list"),
+])
+def test_oneshot_capture_form_names_seq_lens_kv(inp, lens, error, pattern):
+    """The capturable one-shot's checks of the lengths name the argument its caller passed,
+    seq_lens_kv (not the wrapper's seq_lens)."""
+    sl = inp.seq_lens
+    value = {"int64": sl.long(), "2-D": sl[:, None], "strided": torch.stack([sl, sl], 1)[:, 0],
+             "list": sl.tolist()}[lens]
+    workspace = torch.empty(1 << 20, dtype=torch.uint8, device=inp.q.device)
+    with pytest.raises(error, match=pattern):
+        oneshot(inp, seq_lens_kv=value, out=torch.empty_like(inp.q), workspace_buffer=workspace, max_kv_len=64,
+                validate=False)
+
+
 PLAN_ERRORS = {
     "device bool": (dict(device=True), TypeError, "device must be an int, str or torch.device"),
     "device not a device": (dict(device="tpu:x"), ValueError, "device"),

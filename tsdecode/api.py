@@ -377,11 +377,11 @@ def _indptr_owner(plan: _Plan, qo_indptr) -> None:
 
 
 def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, bmm1_scale, bmm2_scale, out,
-             validate: bool, values_checked: bool = False) -> torch.Tensor:
-    """Validate (unless told not to) and launch. ``values_checked``: the metadata's values were
-    read and checked already (the one-shot op), so only tensor layouts are checked here. Unvalidated,
-    the tensors' shapes and dtypes are still matched against the plan on the host; where they do not
-    match, the tensor checks run (never the metadata read) and say what is wrong."""
+             validate: bool, values_checked: bool = False, lens_name: str = "seq_lens") -> torch.Tensor:
+    """Validate (unless told not to) and launch. ``values_checked``: the metadata's values were read and
+    checked already (the one-shot op), so only tensor layouts are checked here. Unvalidated, the tensors'
+    shapes and dtypes are still matched against the plan on the host; where they do not match, the tensor
+    checks run (never the metadata read) and say what is wrong, calling the lengths ``lens_name``."""
     s = plan.shape
     if validate or not plan.matches(q, paged_kv_cache, out, block_tables, seq_lens, qo_indptr):
         q = V.require_tensor("q", q)
@@ -389,7 +389,7 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
         V.validate_cache_against_plan(page_shape, kv_dtype, kv_device, s.num_kv_heads, s.page_size,
                                       s.head_dim, s.kv_dtype, plan.device)
         block_tables = V.validate_block_tables(block_tables, s.batch_size, plan.device)
-        seq_lens = V.validate_lengths_tensor("seq_lens", seq_lens, s.batch_size, plan.device)
+        seq_lens = V.validate_lengths_tensor(lens_name, seq_lens, s.batch_size, plan.device)
         if s.packed:
             qo_indptr = V.validate_qo_indptr(qo_indptr, s.batch_size, plan.device)
         if s.packed and q.dim() != 3:
@@ -401,7 +401,7 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
                                 "as planned by q_data_type, whose default is torch.float16")
         if s.packed and total_q > plan.query_capacity:
             raise ValueError(f"q holds {total_q} query tokens, more than B*max_seq_len_q = {plan.query_capacity}")
-        inputs = (("q", q), *cache_tensors, ("block_tables", block_tables), ("seq_lens", seq_lens),
+        inputs = (("q", q), *cache_tensors, ("block_tables", block_tables), (lens_name, seq_lens),
                   *((("qo_indptr", qo_indptr),) if qo_indptr is not None else ()))
         if out is not None:
             out = V.validate_io_tensor("out", out, tuple(q.shape), "q's shape", s.o_dtype, plan.device,

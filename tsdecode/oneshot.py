@@ -98,7 +98,7 @@ def batch_decode_with_paged_kv_cache(
                 stride = block_tables.stride(0) if table_2d else 16
                 plan.launch.compile(plan.q_shape(plan.query_capacity), stride)
         return api.run_plan(plan, q, paged_kv_cache, seq_lens_kv, block_tables, qo_indptr, bmm1_scale,
-                            bmm2_scale, out, validate=False)
+                            bmm2_scale, out, validate=False, lens_name="seq_lens_kv")
     device = V.validate_device(device, INTERPRETER, "q.device")
     block_tables = V.validate_block_tables(block_tables, batch, device)
     if isinstance(seq_lens_kv, torch.Tensor) and seq_lens_kv.dim() == 1:
