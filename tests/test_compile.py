@@ -248,6 +248,18 @@ def test_compiled_oneshot_matches_reference(separate, with_out):
         check(case, out, reference(case, inp))
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float64, torch.int32])
+def test_compiled_oneshot_dtype_error_names_out_dtype(out_dtype):
+    """A compiled one-shot call given an unsupported out_dtype (and no out) raises the eager
+    error, naming out_dtype, the argument its caller passed (not out.dtype)."""
+    case = Case(lens=(5, 33))
+    inp = build(case)
+    fn = torch.compile(lambda q, cache, bt, lens: tsdecode.batch_decode_with_paged_kv_cache(
+        q, cache, bt, lens, out_dtype=out_dtype), fullgraph=True, backend=BACKEND)
+    with pytest.raises(NotImplementedError, match=f"out_dtype {out_dtype} is not supported"):
+        fn(inp.q, inp.cache, inp.block_tables, inp.seq_lens)
+
+
 def test_compiled_oneshot_packed_queries():
     case = Case(lens=(7, 30, 18), mode="packed", q_lens=(1, 4, 2), mask_type="causal")
     inp = build(case)

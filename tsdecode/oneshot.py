@@ -66,12 +66,12 @@ def batch_decode_with_paged_kv_cache(
                              "max_kv_len and out all given")
     V.validate_kv_layout(kv_layout)
     kv, (num_pages, num_kv_heads, page_size, head_dim), kv_dtype, cache_device, _ = V.cache_page_shape(paged_kv_cache)
+    out_name = "out.dtype" if out_dtype is None and out is not None else "out_dtype"  # what a dtype error names
     if out is not None:
         out = V.require_tensor("out", out)
         if out_dtype is not None and out_dtype != out.dtype:
             raise TypeError(f"out_dtype={out_dtype} disagrees with out.dtype={out.dtype}")
         out_dtype = out.dtype
-    out_name = "out_dtype" if out is None else "out.dtype"  # what a dtype error names
     packed, sq = _oneshot_query_mode(q, seq_len_q, qo_indptr, max_seq_len_q, capture_mode)
     batch = _oneshot_batch_size(q, block_tables, seq_lens_kv, qo_indptr, packed)
     num_qo_heads = q.shape[-2]
@@ -203,5 +203,6 @@ def _oneshot_traced(q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_
     torch.ops.tsdecode.decode_oneshot(
         q, kv, v, block_tables, seq_lens_kv, int(seq_len_q), qo_indptr,
         None if max_seq_len_q is None else int(max_seq_len_q), mask_type, int(window_left), bmm1, bmm2, out,
-        workspace_buffer, None if max_kv_len is None else int(max_kv_len), V.require_bool("validate", validate))
+        workspace_buffer, None if max_kv_len is None else int(max_kv_len), V.require_bool("validate", validate),
+        out_dtype)
     return out

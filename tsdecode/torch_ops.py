@@ -30,7 +30,7 @@ _DECODE_ONESHOT = (
     "decode_oneshot(Tensor q, Tensor kv, Tensor? v, Tensor block_tables, Tensor seq_lens_kv, "
     "int seq_len_q, Tensor? qo_indptr, int? max_seq_len_q, str mask_type, int window_left, "
     "float? bmm1_scale, float bmm2_scale, Tensor(a!) out, Tensor? workspace_buffer, int? max_kv_len, "
-    "bool validate) -> ()"
+    "bool validate, ScalarType? out_dtype=None) -> ()"
 )
 
 
@@ -49,13 +49,13 @@ def _run_planned(handle, q, kv, v, seq_lens, block_tables, qo_indptr, out, bmm1_
 
 def _decode_oneshot(q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
                     mask_type, window_left, bmm1_scale, bmm2_scale, out, workspace_buffer, max_kv_len,
-                    validate) -> None:
-    """batch_decode_with_paged_kv_cache into out."""
+                    validate, out_dtype=None) -> None:
+    """batch_decode_with_paged_kv_cache into out (out_dtype: the caller's, if it gave one)."""
     oneshot.batch_decode_with_paged_kv_cache(
         q, kv if v is None else (kv, v), block_tables, seq_lens_kv, seq_len_q=seq_len_q,
         qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q, mask_type=mask_type,
         window_left=window_left, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, out=out,
-        workspace_buffer=workspace_buffer, max_kv_len=max_kv_len, validate=validate,
+        workspace_buffer=workspace_buffer, max_kv_len=max_kv_len, validate=validate, out_dtype=out_dtype,
     )
 
 
