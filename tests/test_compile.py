@@ -260,6 +260,24 @@ def test_compiled_oneshot_dtype_error_names_out_dtype(out_dtype):
         fn(inp.q, inp.cache, inp.block_tables, inp.seq_lens)
 
 
+@pytest.mark.parametrize("kwargs, error, pattern", [
+    (dict(window_left=3), ValueError, "window_left=3 needs mask_type='causal'"),
+    (dict(mask_type="sliding"), ValueError, "mask_type must be one of"),
+    (dict(bmm1_scale=torch.tensor(0.5)), TypeError, "bmm1_scale must be a real number"),
+    (dict(bmm2_scale="2"), TypeError, "bmm2_scale must be a real number"),
+    (dict(out_dtype="bf16"), TypeError, "out_dtype must be a torch.dtype"),
+])
+def test_oneshot_argument_errors_without_fullgraph_are_the_eager_ones(kwargs, error, pattern):
+    """Without fullgraph, a one-shot argument error found while dynamo traces the call reaches the
+    caller as the eager error: the function dynamo falls back to raises it before any launch."""
+    case = Case(lens=(5, 33))
+    inp = build(case)
+    fn = torch.compile(lambda q, cache, bt, lens: tsdecode.batch_decode_with_paged_kv_cache(
+        q, cache, bt, lens, **kwargs), backend=BACKEND)
+    with pytest.raises(error, match=pattern):
+        fn(inp.q, inp.cache, inp.block_tables, inp.seq_lens)
+
+
 def test_compiled_oneshot_packed_queries():
     case = Case(lens=(7, 30, 18), mode="packed", q_lens=(1, 4, 2), mask_type="causal")
     inp = build(case)

@@ -100,6 +100,11 @@ def batch_decode_with_paged_kv_cache(
         return api.run_plan(plan, q, paged_kv_cache, seq_lens_kv, block_tables, qo_indptr, bmm1_scale,
                             bmm2_scale, out, validate=False, lens_name="seq_lens_kv")
     device = V.validate_device(device, INTERPRETER, "q.device")
+    # Host-only checks the traced call makes too, before the metadata read: where dynamo falls
+    # back to this function after one of them fails, the caller gets that error, not a launch.
+    V.validate_mask(mask_type, window_left)
+    V.validate_scales(bmm1_scale, bmm2_scale, head_dim)
+    V.resolve_dtypes(q.dtype, kv_dtype, out_dtype, ("q", "paged_kv_cache", out_name))
     block_tables = V.validate_block_tables(block_tables, batch, device)
     if isinstance(seq_lens_kv, torch.Tensor) and seq_lens_kv.dim() == 1:
         seq_lens_kv = seq_lens_kv.contiguous()  # read once on the host; the plan keeps its own copy
