@@ -317,6 +317,21 @@ def test_compiled_capturable_oneshot():
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("max_kv_len", [True, 40.5, "64"])
+def test_compiled_capturable_oneshot_checks_max_kv_len(max_kv_len):
+    """A compiled capturable one-shot refuses a max_kv_len that is not an int, as the eager call
+    does (a bool True was taken as a capacity of 1, cutting every length to one key)."""
+    case = Case(lens=(5, 33, 40))
+    inp = build(case)
+    workspace = torch.zeros(1 << 20, dtype=torch.uint8, device=DEVICE)
+    fn = torch.compile(lambda q, cache, bt, lens, out: tsdecode.batch_decode_with_paged_kv_cache(
+        q, cache, bt, lens, out=out, workspace_buffer=workspace, max_kv_len=max_kv_len, validate=False),
+        fullgraph=True, backend=BACKEND)
+    out = poisoned_out(case, inp)
+    with pytest.raises(Exception, match="max_kv_len must be an int"):  # fullgraph: dynamo's, quoting it
+        fn(inp.q, inp.cache, inp.block_tables, inp.seq_lens, out)
+
+
 def test_dynamic_shapes():
     """dynamic=True: symbolic batch and head dims (the default bmm1_scale is taken at run time)."""
     w = tsdecode.BatchDecodePagedTSWrapper()

@@ -197,6 +197,8 @@ def _oneshot_traced(q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_
     V.validate_mask(mask_type, window_left)
     _oneshot_query_mode(q, seq_len_q, qo_indptr, max_seq_len_q, False)
     bmm1, bmm2 = api.traced_scales(bmm1_scale, bmm2_scale)
+    if max_kv_len is not None:  # int() below would take a float, a str or a bool
+        max_kv_len = V.require_int("max_kv_len", max_kv_len, minimum=1)
     if out is not None:
         out = V.require_tensor("out", out)
         if out_dtype is not None and out_dtype != out.dtype:
@@ -208,6 +210,6 @@ def _oneshot_traced(q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_
     torch.ops.tsdecode.decode_oneshot(
         q, kv, v, block_tables, seq_lens_kv, int(seq_len_q), qo_indptr,
         None if max_seq_len_q is None else int(max_seq_len_q), mask_type, int(window_left), bmm1, bmm2, out,
-        workspace_buffer, None if max_kv_len is None else int(max_kv_len), V.require_bool("validate", validate),
+        workspace_buffer, max_kv_len, V.require_bool("validate", validate),
         out_dtype)
     return out
