@@ -11,6 +11,7 @@ import copy
 import gc
 import pickle
 
+import numpy as np
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -330,6 +331,20 @@ def test_compiled_capturable_oneshot_checks_max_kv_len(max_kv_len):
     out = poisoned_out(case, inp)
     with pytest.raises(Exception, match="max_kv_len must be an int"):  # fullgraph: dynamo's, quoting it
         fn(inp.q, inp.cache, inp.block_tables, inp.seq_lens, out)
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(seq_len_q=np.int64(1)), "seq_len_q must be an int"),
+                                          (dict(window_left=np.int64(-1)), "window_left must be an int"),
+                                          (dict(bmm1_scale=np.float64(0.2)), "bmm1_scale must be a real number")])
+def test_compiled_oneshot_numpy_scalars_are_refused_by_name(kwargs, name):
+    """Dynamo traces a numpy scalar as a tensor: a compiled one-shot call refuses one with an
+    error naming the argument (eager calls take them)."""
+    case = Case(lens=(5, 33))
+    inp = build(case)
+    fn = torch.compile(lambda q, cache, bt, lens: tsdecode.batch_decode_with_paged_kv_cache(
+        q, cache, bt, lens, **kwargs), fullgraph=True, backend=BACKEND)
+    with pytest.raises(Exception, match=name):  # fullgraph: dynamo's, quoting it
+        fn(inp.q, inp.cache, inp.block_tables, inp.seq_lens)
 
 
 def test_dynamic_shapes():

@@ -44,7 +44,8 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
 def require_int(name: str, value: object, minimum: int | None = None) -> int:
     """A Python int from any integral scalar (int, numpy.int64, ...); bools and tensors refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        shown = "" if torch.compiler.is_compiling() else f" {value!r}"  # dynamo cannot repr a traced numpy value
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}{shown}")
     value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
