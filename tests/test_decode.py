@@ -13,7 +13,8 @@ import threading
 import pytest
 import torch
 
-from tsdecode import KernelConfig
+from tsdecode import KernelConfig, batch_decode_with_paged_kv_cache
+from tsdecode.reference import reference_decode
 from tsdecode.kernels import decode, launch
 from cases import (DEVICE, FP8, Case, build, check, plan_wrapper, poisoned_out, reference, run_and_check,
                    run_oneshot, run_wrapper)
@@ -613,3 +614,57 @@ def test_specialization_key_is_as_fine_as_triton():
     # Without the decorator's argument every integer counts.
     plain = JITFunction(decode._split_kv_kernel.fn)
     assert key(plain, max_kv_len=8191) != key(plain)
+
+
+# 2**30 elements between requests: request 2 starts 2**31 elements past request 0, past int32.
+_FAR = 2**30
+
+
+def _far_apart(rows: int, cols: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [rows, *cols] view whose rows lie _FAR elements apart, starting 2**31 elements into its
+    storage (the storage is allocated, not touched: its pages cost nothing until written), and
+    the storage's flat view."""
+    storage = torch.empty(2**31 + (rows - 1) * _FAR + 4096, dtype=dtype)
+    inner = [1]
+    for n in reversed(cols[1:]):
+        inner.insert(0, inner[0] * n)
+    view = storage.as_strided((rows, *cols), (_FAR, *inner), storage_offset=2**31)
+    return view, storage
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="addresses 4-8 GiB of storage; the CPU only maps it")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="the split kernel computes q's offset b * stride_q_batch in int32")
+def test_q_rows_more_than_int32_elements_apart():
+    """A q whose requests lie 2**30 elements apart (q spans more than 2**31 elements) reads each
+    request's own row: the offset b * stride(0) does not wrap in 32 bits."""
+    gen = torch.Generator().manual_seed(0)
+    q, storage = _far_apart(3, (1, 64), FP8)
+    q.copy_(torch.randn(3, 1, 64, generator=gen).to(FP8))
+    storage[:64].fill_(3.0)  # where a wrapped offset of request 2 lands
+    cache = torch.randn(3, 2, 1, 16, 64, generator=gen).to(FP8)
+    tables = torch.arange(3, dtype=torch.int32)[:, None]
+    lens = torch.full((3,), 16, dtype=torch.int32)
+    ref = reference_decode(q, cache, tables, lens)
+    out = batch_decode_with_paged_kv_cache(q, cache, tables, lens, out_dtype=FP16)
+    for b in range(3):
+        assert (out[b].double() - ref[b].double()).abs().max() < 0.05, f"request {b}"
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="addresses 4-8 GiB of storage; the CPU only maps it")
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="the split and merge kernels compute out's offset b * stride_o_batch in int32")
+@pytest.mark.parametrize("splits", [1, 2])
+def test_out_rows_more_than_int32_elements_apart(splits):
+    """An out whose requests lie 2**30 elements apart gets each request's output in its own row,
+    from the split kernel (one split) and from the merge (two)."""
+    case = Case(lens=(16, 16, 16), num_qo_heads=1, num_kv_heads=1, dtype=FP16,
+                config=KC(block_n=16, block_m=16, num_kv_splits=splits))
+    inp = build(case)
+    ref = reference(case, inp)
+    out, storage = _far_apart(3, (1, 64), FP16)
+    out.fill_(float("nan"))
+    storage[:64].fill_(float("nan"))
+    w = plan_wrapper(case, inp)
+    run_wrapper(w, case, inp, out=out)
+    check(case, out, ref)
