@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+import tsdecode
 from tsdecode import KernelConfig, batch_decode_with_paged_kv_cache
 from tsdecode.reference import reference_decode
 from tsdecode.kernels import decode, launch
@@ -633,38 +634,41 @@ def _far_apart(rows: int, cols: tuple[int, ...], dtype: torch.dtype) -> tuple[to
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="addresses 4-8 GiB of storage; the CPU only maps it")
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the split kernel computes q's offset b * stride_q_batch in int32")
-def test_q_rows_more_than_int32_elements_apart():
-    """A q whose requests lie 2**30 elements apart (q spans more than 2**31 elements) reads each
-    request's own row: the offset b * stride(0) does not wrap in 32 bits."""
+@pytest.mark.parametrize("validate", [True, False])
+def test_q_rows_more_than_int32_elements_apart_are_refused(validate):
+    """The kernels index q in int32 (b * stride(0) would wrap and read another row): a q whose
+    requests lie 2**30 elements apart (its last element 2**31 past its first) is refused by name,
+    by the one-shot op and by a run, validated or not."""
     gen = torch.Generator().manual_seed(0)
-    q, storage = _far_apart(3, (1, 64), FP8)
-    q.copy_(torch.randn(3, 1, 64, generator=gen).to(FP8))
-    storage[:64].fill_(3.0)  # where a wrapped offset of request 2 lands
+    q, _ = _far_apart(3, (1, 64), FP8)
     cache = torch.randn(3, 2, 1, 16, 64, generator=gen).to(FP8)
     tables = torch.arange(3, dtype=torch.int32)[:, None]
     lens = torch.full((3,), 16, dtype=torch.int32)
-    ref = reference_decode(q, cache, tables, lens)
-    out = batch_decode_with_paged_kv_cache(q, cache, tables, lens, out_dtype=FP16)
-    for b in range(3):
-        assert (out[b].double() - ref[b].double()).abs().max() < 0.05, f"request {b}"
+    out = torch.empty(3, 1, 64, dtype=FP16)
+    with pytest.raises(NotImplementedError, match="q's last element lies 2,147,483,711 elements past"):
+        batch_decode_with_paged_kv_cache(q, cache, tables, lens, out=out)
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan("cpu", 3, 1, 1, 64, 16, 16, q_data_type=FP8, kv_data_type=FP8, o_data_type=FP16, seq_lens=[16] * 3)
+    with pytest.raises(NotImplementedError, match="q's last element lies"):
+        w.run(q, cache, None, tables, out=out, validate=validate)
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="addresses 4-8 GiB of storage; the CPU only maps it")
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="the split and merge kernels compute out's offset b * stride_o_batch in int32")
-@pytest.mark.parametrize("splits", [1, 2])
-def test_out_rows_more_than_int32_elements_apart(splits):
-    """An out whose requests lie 2**30 elements apart gets each request's output in its own row,
-    from the split kernel (one split) and from the merge (two)."""
+@pytest.mark.parametrize("validate", [True, False])
+def test_out_rows_more_than_int32_elements_apart_are_refused(validate):
+    """The split and merge kernels index out in int32: an out whose requests lie 2**30 elements
+    apart is refused by name, validated or not (a row past 2**31 was written elsewhere or never)."""
     case = Case(lens=(16, 16, 16), num_qo_heads=1, num_kv_heads=1, dtype=FP16,
-                config=KC(block_n=16, block_m=16, num_kv_splits=splits))
+                config=KC(block_n=16, block_m=16, num_kv_splits=2))
     inp = build(case)
-    ref = reference(case, inp)
-    out, storage = _far_apart(3, (1, 64), FP16)
-    out.fill_(float("nan"))
-    storage[:64].fill_(float("nan"))
+    out, _ = _far_apart(3, (1, 64), FP16)
     w = plan_wrapper(case, inp)
-    run_wrapper(w, case, inp, out=out)
-    check(case, out, ref)
+    with pytest.raises(NotImplementedError, match="out's last element lies"):
+        run_wrapper(w, case, inp, out=out, validate=validate)
+
+
+def test_a_plan_of_q_past_int32_elements_is_refused():
+    """B*SQ*Hq*D of 2**31 or more cannot be indexed in int32: the plan refuses it, naming the
+    product, before anything is allocated."""
+    with pytest.raises(NotImplementedError, match=r"B\*SQ\*Hq\*D = 65536\*1\*128\*256 must fit in int32"):
+        tsdecode.BatchDecodePagedTSWrapper().plan("cpu", 65536, 128, 8, 256, 16, 1024, q_data_type=FP16)

@@ -1120,9 +1120,9 @@ def test_a_bucket_is_not_complete_while_its_default_waits_in_the_queue(tmp_path)
     (["--trials", "9" * 400], "--trials: expected an integer <= 9223372036854775807, got '999"),
     (["--top-k", "9" * 400], "--top-k: expected an integer <= 9223372036854775807, got '999"),
     (["--compile-workers", "100000"], "--compile-workers: expected an integer <= 256, got '100000'"),
-    ([*TINY, "--batch-sizes", "9" * 400], "--batch-sizes, --seq-len-q and --heads: B*SQ*Hq = 999"),
+    ([*TINY, "--batch-sizes", "9" * 400], "--batch-sizes, --seq-len-q, --heads and --head-dim: B*SQ*Hq*D = 999"),
     ([*TINY, "--kv-lens", "100000000000"], "--kv-lens must be <= 2147483392, got 100000000000"),
-    ([*TINY, "--seq-len-q", "9" * 400], "--batch-sizes, --seq-len-q and --heads: B*SQ*Hq = 1*999"),
+    ([*TINY, "--seq-len-q", "9" * 400], "--batch-sizes, --seq-len-q, --heads and --head-dim: B*SQ*Hq*D = 1*999"),
     ([*TINY, "--mask", "causal", "--window-left", "9" * 400], "--window-left: expected -1 (no window) or at most"),
 ])
 def test_cli_errors_exit_2_with_a_message(argv, message, capsys, tmp_path):

@@ -66,7 +66,8 @@ class _Plan:
         s, device = self.shape, self.device
         q_shape, q_row, combined_page, page, lens_shape, kv_inner, indptr_shape = self._expected_shapes
         try:
-            if q.dtype != s.q_dtype or q.stride(-1) != 1 or q.device != device:
+            if q.dtype != s.q_dtype or q.stride(-1) != 1 or q.device != device or (
+                    not q.is_contiguous() and V.element_extent(q) >= V.INT32_ELEMENTS):  # indexed in int32
                 return False
             if q_shape is not None:
                 if q.shape != q_shape:
@@ -103,7 +104,7 @@ class _Plan:
                 return True
             # out apart from itself and the inputs; a shared storage only sends the run to the full
             # checks, which compare byte spans (out may lie beside an input in one buffer)
-            if not out.is_contiguous() and V.overlaps_itself(out):
+            if not out.is_contiguous() and (V.overlaps_itself(out) or V.element_extent(out) >= V.INT32_ELEMENTS):
                 return False
             base = out.untyped_storage().data_ptr()
             if base == self._workspace_storage:
@@ -158,7 +159,8 @@ def plan_problem(device, batch_size, num_qo_heads, num_kv_heads, head_dim, page_
     V.require_int("batch_size", batch_size, minimum=1)
     num_qo_heads, num_kv_heads, head_dim, page_size = V.validate_heads(num_qo_heads, num_kv_heads,
                                                                        head_dim, page_size)
-    batch_size, max_kv_len, max_seq_len_q = V.validate_sizes(batch_size, max_kv_len, max_seq_len_q, num_qo_heads)
+    batch_size, max_kv_len, max_seq_len_q = V.validate_sizes(batch_size, max_kv_len, max_seq_len_q, num_qo_heads,
+                                                             head_dim=head_dim)
     packed = V.require_bool("packed_query", packed_query)
     causal, window_left = V.validate_mask(mask_type, window_left)
     q_dtype, kv_dtype, o_dtype = V.resolve_dtypes(q_data_type, kv_data_type, o_data_type, names)

@@ -20,6 +20,7 @@ MAX_PAGE_SIZE = 1024
 MAX_GROUP_SIZE = 128
 # The largest K/V length a plan may cover: int32 less one padded 256-token tile.
 MAX_KV_LEN = 2**31 - 1 - 255
+INT32_ELEMENTS = 2**31  # q and out are indexed in int32: an element at most this far from the first
 KV_LAYOUTS = ("HND",)
 MASK_TYPES = ("dense", "causal")
 FP8 = torch.float8_e4m3fn
@@ -121,16 +122,18 @@ def validate_scales(bmm1_scale: object, bmm2_scale: object, head_dim: int) -> tu
 
 
 def validate_sizes(batch_size: object, max_kv_len: object, max_seq_len_q: object, num_qo_heads: int,
-                   names: tuple[str, str, str] = ("batch_size", "max_kv_len", "max_seq_len_q")) -> tuple[int, int, int]:
-    """(batch_size, max_kv_len, max_seq_len_q) as ints the kernels index in int32; ``names``: what
-    the caller called them."""
+                   names: tuple[str, str, str] = ("batch_size", "max_kv_len", "max_seq_len_q"),
+                   head_dim: int = 1) -> tuple[int, int, int]:
+    """(batch_size, max_kv_len, max_seq_len_q) as ints the kernels index in int32 (q's and out's
+    elements too, B*SQ*Hq*D); ``names``: what the caller called them."""
     batch_size = require_int(names[0], batch_size, minimum=1)
     max_kv_len = require_int(names[1], max_kv_len, minimum=1)
     if max_kv_len > MAX_KV_LEN:
         raise NotImplementedError(f"{names[1]} must be <= {MAX_KV_LEN}, got {max_kv_len}")
     max_seq_len_q = require_int(names[2], max_seq_len_q, minimum=1)
-    if batch_size * max_seq_len_q * num_qo_heads >= 2**31:
-        raise NotImplementedError(f"B*SQ*Hq = {batch_size}*{max_seq_len_q}*{num_qo_heads} must fit in int32")
+    if batch_size * max_seq_len_q * num_qo_heads * head_dim >= INT32_ELEMENTS:
+        raise NotImplementedError(f"B*SQ*Hq*D = {batch_size}*{max_seq_len_q}*{num_qo_heads}*{head_dim} must "
+                                  f"fit in int32 (the kernels index q and out in int32)")
     return batch_size, max_kv_len, max_seq_len_q
 
 
@@ -412,7 +415,16 @@ def validate_io_tensor(name: str, t: object, shape: tuple[int, ...], layout: str
         raise ValueError(f"{name} must be on {device}, got {t.device}")
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in the head dim (stride(-1) == 1), got {t.stride()}")
+    if element_extent(t) >= INT32_ELEMENTS:
+        raise NotImplementedError(f"{name}'s last element lies {element_extent(t):,} elements past its first "
+                                  f"(shape {_shape(t)}, strides {list(t.stride())}); the kernels index q and out "
+                                  f"in int32: at most {INT32_ELEMENTS - 1:,}")
     return t
+
+
+def element_extent(t: torch.Tensor) -> int:
+    """How many elements past its first a tensor's last element lies (0 when empty)."""
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
@@ -420,8 +432,7 @@ def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
     if t.numel() == 0:
         return None
     start = t.data_ptr()
-    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return start, start + (extent + 1) * t.element_size() - 1
+    return start, start + (element_extent(t) + 1) * t.element_size() - 1
 
 
 def overlaps_itself(t: torch.Tensor) -> bool:

@@ -285,10 +285,12 @@ def _custom_grid(opts: dict, where: str = "") -> list[ShapeSpec]:
                              f">= 1) with HQ/HKV <= {V.MAX_GROUP_SIZE}")
     sizes = (name("batch_sizes"), name("kv_lens"), name("seq_len_q"))
     try:  # the largest shape: the kernels index in int32 (a huge size would overflow a float later)
-        V.validate_sizes(max(batch_sizes), max(kv_lens), seq_len_q, max(hq for hq, _ in heads), names=sizes)
+        V.validate_sizes(max(batch_sizes), max(kv_lens), seq_len_q, max(hq for hq, _ in heads), names=sizes,
+                         head_dim=max(head_dims))
     except (ValueError, NotImplementedError) as e:
         int32 = str(e).startswith("B*SQ*Hq")
-        raise ValueError(f"{sizes[0]}, {sizes[2]} and {name('heads')}: {e}" if int32 else str(e)) from None
+        raise ValueError(f"{sizes[0]}, {sizes[2]}, {name('heads')} and {name('head_dim')}: {e}" if int32
+                         else str(e)) from None
     if window_left > V.MAX_KV_LEN:
         raise ValueError(f"{name('window_left')}: expected -1 (no window) or at most {V.MAX_KV_LEN} (the longest "
                          f"K/V length), got {window_left}")
