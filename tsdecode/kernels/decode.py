@@ -100,13 +100,25 @@ def _tile_product(q, k, v, n, row_lo, row_end, m_i, l_i, acc, qk_scale_log2,
 
 
 @triton.jit
+def _value_mask(kv_mask, n, prog_lo, WINDOW: tl.constexpr):
+    """Which V elements to load: with a window, not those of keys before the program's first
+    visible key either, whose slots may hold anything (their weight is 0, but 0 * NaN is NaN).
+    Their K needs no mask: a NaN logit is replaced by -inf where the key is not visible."""
+    if WINDOW:
+        return kv_mask & (n >= prog_lo)[:, None]
+    else:
+        return kv_mask
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, tile, k_head, v_head, bt_row, offs_n, offs_d, d_valid, kv_len,
-                 row_lo, row_end, qk_scale_log2, stride_k_page, stride_v_page,
+                 prog_lo, row_lo, row_end, qk_scale_log2, stride_k_page, stride_v_page,
                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-                 TRANSPOSED: tl.constexpr):
+                 WINDOW: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                 COMPUTE_DTYPE: tl.constexpr, TRANSPOSED: tl.constexpr):
     """K/V tile ``tile`` read through the block table, then one online-softmax step with it.
-    Tokens past kv_len and head-dim columns past HEAD_DIM read as zero."""
+    Tokens past kv_len and head-dim columns past HEAD_DIM read as zero, and so do the values of
+    keys before prog_lo, the program's first visible key (WINDOW only)."""
     n = tile * BLOCK_N + offs_n
     n_valid = n < kv_len
     if PAGE_SIZE % BLOCK_N == 0:
@@ -121,11 +133,12 @@ def _attend_tile(q, m_i, l_i, acc, tile, k_head, v_head, bt_row, offs_n, offs_d,
     v_off = page * stride_v_page + tok_off
     kv_mask = n_valid[:, None] & d_valid[None, :]
     k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v_mask = _value_mask(kv_mask, n, prog_lo, WINDOW)
     if TRANSPOSED:
         # V^T [BLOCK_D, BLOCK_N], the A operand of O^T = V^T P^T, read in place.
-        v = tl.load(v_head + v_off[None, :] + offs_d[:, None], mask=tl.trans(kv_mask), other=0.0)
+        v = tl.load(v_head + v_off[None, :] + offs_d[:, None], mask=tl.trans(v_mask), other=0.0)
     else:
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -137,12 +150,12 @@ def _attend_tile(q, m_i, l_i, acc, tile, k_head, v_head, bt_row, offs_n, offs_d,
 
 
 @triton.jit
-def _attend_split(q, m_i, k_head, v_head, bt_row, tile_begin, tile_end, kv_len, row_lo, row_end,
-                  offs_d, d_valid, qk_scale_log2, stride_k_page, stride_v_page,
+def _attend_split(q, m_i, k_head, v_head, bt_row, tile_begin, tile_end, kv_len, prog_lo, row_lo,
+                  row_end, offs_d, d_valid, qk_scale_log2, stride_k_page, stride_v_page,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-                  DOT_FP32: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  TRANSPOSED: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                  USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The online softmax over tiles [tile_begin, tile_end) from running max m_i: returns m_i, the
     running sum l_i [BLOCK_M] and the unnormalised accumulator ([BLOCK_M, BLOCK_D], or its
     transpose when TRANSPOSED)."""
@@ -156,9 +169,9 @@ def _attend_split(q, m_i, k_head, v_head, bt_row, tile_begin, tile_end, kv_len, 
     # tile's products run, which hides the memory latency of a loop that does little else.
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tile, k_head, v_head, bt_row, offs_n, offs_d,
-                                     d_valid, kv_len, row_lo, row_end, qk_scale_log2, stride_k_page,
-                                     stride_v_page, HEAD_DIM, PAGE_SIZE, BLOCK_N, USE_DOT, DOT_FP32,
-                                     COMPUTE_DTYPE, TRANSPOSED)
+                                     d_valid, kv_len, prog_lo, row_lo, row_end, qk_scale_log2,
+                                     stride_k_page, stride_v_page, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                                     WINDOW, USE_DOT, DOT_FP32, COMPUTE_DTYPE, TRANSPOSED)
     return m_i, l_i, acc
 
 
@@ -307,9 +320,10 @@ def _split_kv_kernel(
     k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
     v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
     m_i, l_i, acc = _attend_split(q, m_i, k_head, v_head, bt_row, tile_begin, tile_end, kv_len,
-                                  row_lo, row_end, offs_d, d_valid, qk_scale_log2, stride_k_page,
-                                  stride_v_page, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_M, BLOCK_N,
-                                  USE_DOT, DOT_FP32, COMPUTE_DTYPE, NUM_STAGES, TRANSPOSED)
+                                  prog_lo, row_lo, row_end, offs_d, d_valid, qk_scale_log2,
+                                  stride_k_page, stride_v_page, HEAD_DIM, BLOCK_D, PAGE_SIZE,
+                                  BLOCK_M, BLOCK_N, WINDOW, USE_DOT, DOT_FP32, COMPUTE_DTYPE,
+                                  NUM_STAGES, TRANSPOSED)
 
     # -- Epilogue: the final output (one split), or the partial output and its lse.
     _store_output(acc, m_i, l_i, out_ptr, partial_o_ptr, partial_lse_ptr, bmm2_scale, b, split,
