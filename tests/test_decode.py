@@ -466,9 +466,6 @@ def test_cache_slots_past_each_length_are_never_read(page_size, block_n):
     check(case, out, reference(case, inp))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a known limit (docs/api.md): the tile holding a window's first key reads the values "
-                          "of the keys before it, and 0 x NaN reaches the output")
 @pytest.mark.parametrize("case", [
     Case(mask_type="causal", lens=(50, 77, 130), window_left=20, config=KC(block_n=16, block_m=16, num_kv_splits=1)),
     Case(mask_type="causal", lens=(50, 77, 130), window_left=20, config=KC(block_n=16, block_m=4, num_kv_splits=2)),
@@ -476,12 +473,13 @@ def test_cache_slots_past_each_length_are_never_read(page_size, block_n):
          config=KC(block_n=16, block_m=16, num_kv_splits=2)),
     Case(mode="packed", q_lens=(3, 1, 2), mask_type="causal", lens=(50, 77, 130), window_left=9,
          config=KC(block_n=16, block_m=16, num_kv_splits=2)),
-], ids=["one-split", "fma-splits", "fixed-sq3", "packed"])
+    # The interpreter reads an e4m3 NaN as 480, so this form tells only on a GPU.
+    pytest.param(Case(kv_dtype=FP8, mask_type="causal", lens=(50, 77, 130), window_left=20,
+                      config=KC(block_n=16, block_m=16, num_kv_splits=2)), marks=pytest.mark.gpu),
+], ids=["one-split", "fma-splits", "fixed-sq3", "packed", "fp8-transposed"])
 def test_cache_slots_before_a_window_are_never_read(case):
     """Keys before every query row's window are masked, so their K and V slots may hold anything,
-    NaN included (an engine may point the table at pages it let go). Fails today: when the fix
-    lands, the xfail goes and this is a plain test (the fp8 form too, which fails on a GPU only:
-    the interpreter reads an e4m3 NaN as 480)."""
+    NaN included (an engine may point the table at pages it let go)."""
     inp = build(case)
     ref = reference(case, inp)
     q_lens = case.q_lens or (case.seq_len_q,) * case.batch_size
@@ -496,25 +494,33 @@ def test_cache_slots_before_a_window_are_never_read(case):
     check(case, out, ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="a known limit (docs/api.md): a bfloat16 q over an fp8 cache is converted to float16 "
-                          "for the products")
-@pytest.mark.parametrize("block_m", [4, 16], ids=["fma", "dot"])
-def test_a_bfloat16_q_over_an_fp8_cache_keeps_its_range(block_m):
-    """A bfloat16 q may hold values past float16's 65504; with ``bmm1_scale`` divided by the same
-    factor the scores, and so the output, are those of the usual q. Fails today on a GPU, where
-    the products run in float16 (the interpreter computes them in float32, so it runs on a GPU
-    only); when the fix lands the xfail goes."""
-    q_scale = 2.0**20
-    case = Case(kv_dtype=FP8, lens=(9, 40, 77), seed=3, bmm1_scale=64 ** -0.5 / q_scale,
+@pytest.mark.parametrize("q_scale", [2.0**20, 2.0**-22], ids=["large", "small"])
+@pytest.mark.parametrize("num_qo_heads,block_m", [(8, 4), (32, 16), (8, 16)], ids=["fma", "dot", "transposed"])
+def test_a_bfloat16_q_over_an_fp8_cache_keeps_its_range(num_qo_heads, block_m, q_scale):
+    """A bfloat16 q may hold values past float16's 65504 or under its 2^-14, where the float16
+    products of an fp8 cache would give inf or lose bits; with ``bmm1_scale`` divided by the same
+    factor the scores, and so the output, are those of the usual q, bit for bit (each row of q is
+    scaled by a power of two into float16's range, the scores by its inverse). The interpreter
+    converts the FMA form's operands as a GPU does, so that form shows the float16 limit on the CPU
+    too; its dot forms compute in float32, so there they check only that each row's scale reaches
+    its scores (a column of S, a row of S^T)."""
+    case = Case(kv_dtype=FP8, num_qo_heads=num_qo_heads, lens=(9, 40, 77), seed=3,
                 config=KC(block_n=16, block_m=block_m, num_kv_splits=2))
     inp = build(case)
-    inp = dataclasses.replace(inp, q=(inp.q.double() * q_scale).to(torch.bfloat16))
-    assert inp.q.isfinite().all() and inp.q.abs().max() > 65504
+    usual = run_wrapper(plan_wrapper(case, inp), case, inp)
+    case = dataclasses.replace(case, bmm1_scale=case.head_dim ** -0.5 / q_scale)
+    q = (inp.q.double() * q_scale).to(torch.bfloat16)
+    assert torch.equal(q.double() / q_scale, inp.q.double())  # exact: a power of two in range
+    assert q.abs().max() > 65504 if q_scale > 1 else q.abs().max() < 2.0**-14
+    inp = dataclasses.replace(inp, q=q)
+    w = plan_wrapper(case, inp)
+    constexprs = w._plan.launch._split_constexprs
+    assert constexprs["SCALE_Q_ROWS"] and constexprs["USE_DOT"] == (block_m == 16)
+    assert constexprs["TRANSPOSED"] == (block_m == 16 and num_qo_heads == 8)
     out = poisoned_out(case, inp)
-    run_wrapper(plan_wrapper(case, inp), case, inp, out=out)
+    run_wrapper(w, case, inp, out=out)
     check(case, out, reference(case, inp))
+    assert torch.equal(out, usual), "the scaled q's output differs from the usual q's"
 
 
 @pytest.mark.parametrize("hkv,page_size", [(1, 16), (2, 1)], ids=["one-kv-head", "one-token-pages"])

@@ -13,7 +13,9 @@ the final output bmm2_scale * acc / l (one split) or the normalised partial o = 
 log2-sum-exp lse = m + log2(l) to fp32 scratch. The products take one of two forms, and the
 launcher chooses which: S = Q K^T and O = P V (``_tile_update``: rows on the MMA's M side, or
 FMA reductions below 16 rows), or, with tl.dot and at most 8 rows, S^T = K Q^T and
-O^T = V^T P^T (``_tile_update_transposed``: tokens on M, rows on N).
+O^T = V^T P^T (``_tile_update_transposed``: tokens on M, rows on N). Over an fp8 cache the
+operands are float16; a bfloat16 q's rows are first scaled into float16's range by powers of two,
+and the score scale by their inverses, one per row (``_q_rows_in_float16_range``).
 
 Pass 2 (``_merge_kernel``, only when num_kv_splits > 1): one program per (query token, query
 head, head-dim slice) combines the splits' partials weighted by exp2(lse - max lse).
@@ -31,6 +33,27 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _q_rows_in_float16_range(q, qk_scale_log2, TRANSPOSED: tl.constexpr):
+    """Each row of q (fp32 [BLOCK_M, BLOCK_D], bfloat16 values) times the power of two that puts
+    its largest magnitude in [2^13, 2^14), and the score scale times its inverse, one per row
+    ([BLOCK_M, 1], or [1, BLOCK_M] for S^T): float16 products then hold any bfloat16 row, where
+    float16 alone overflows past 65504 and drops bits under 2^-14.
+
+    Both powers are built from exponent bits, so they are exact and the scores keep their values
+    up to the rounding of the product itself. The exponent is bounded below so that both stay
+    normal floats: a row of zeros is scaled by 2^126 (never inf) and stays zero."""
+    amax_bits = tl.max(tl.abs(q), axis=1).to(tl.int32, bitcast=True)
+    exponent = tl.maximum(amax_bits >> 23, 14)  # biased: the max lies in [2^(e-127), 2^(e-126))
+    up = ((127 + 13 + 127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2^(13 - (e - 127))
+    down = ((exponent - 13) << 23).to(tl.float32, bitcast=True)  # 2^((e - 127) - 13), its inverse
+    if TRANSPOSED:
+        row_scale = qk_scale_log2 * down[None, :]
+    else:
+        row_scale = qk_scale_log2 * down[:, None]
+    return q * up[:, None], row_scale
 
 
 @triton.jit
@@ -100,13 +123,25 @@ def _tile_product(q, k, v, n, row_lo, row_end, m_i, l_i, acc, qk_scale_log2,
 
 
 @triton.jit
+def _value_mask(kv_mask, n, prog_lo, WINDOW: tl.constexpr):
+    """Which V elements to load: with a window, not those of keys before the program's first
+    visible key either, whose slots may hold anything (their weight is 0, but 0 * NaN is NaN).
+    Their K needs no mask: a NaN logit is replaced by -inf where the key is not visible."""
+    if WINDOW:
+        return kv_mask & (n >= prog_lo)[:, None]
+    else:
+        return kv_mask
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, tile, k_head, v_head, bt_row, offs_n, offs_d, d_valid, kv_len,
-                 row_lo, row_end, qk_scale_log2, stride_k_page, stride_v_page,
+                 prog_lo, row_lo, row_end, qk_scale_log2, stride_k_page, stride_v_page,
                  HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-                 TRANSPOSED: tl.constexpr):
+                 WINDOW: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                 COMPUTE_DTYPE: tl.constexpr, TRANSPOSED: tl.constexpr):
     """K/V tile ``tile`` read through the block table, then one online-softmax step with it.
-    Tokens past kv_len and head-dim columns past HEAD_DIM read as zero."""
+    Tokens past kv_len and head-dim columns past HEAD_DIM read as zero, and so do the values of
+    keys before prog_lo, the program's first visible key (WINDOW only)."""
     n = tile * BLOCK_N + offs_n
     n_valid = n < kv_len
     if PAGE_SIZE % BLOCK_N == 0:
@@ -121,11 +156,12 @@ def _attend_tile(q, m_i, l_i, acc, tile, k_head, v_head, bt_row, offs_n, offs_d,
     v_off = page * stride_v_page + tok_off
     kv_mask = n_valid[:, None] & d_valid[None, :]
     k = tl.load(k_head + k_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v_mask = _value_mask(kv_mask, n, prog_lo, WINDOW)
     if TRANSPOSED:
         # V^T [BLOCK_D, BLOCK_N], the A operand of O^T = V^T P^T, read in place.
-        v = tl.load(v_head + v_off[None, :] + offs_d[:, None], mask=tl.trans(kv_mask), other=0.0)
+        v = tl.load(v_head + v_off[None, :] + offs_d[:, None], mask=tl.trans(v_mask), other=0.0)
     else:
-        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_head + v_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -137,12 +173,12 @@ def _attend_tile(q, m_i, l_i, acc, tile, k_head, v_head, bt_row, offs_n, offs_d,
 
 
 @triton.jit
-def _attend_split(q, m_i, k_head, v_head, bt_row, tile_begin, tile_end, kv_len, row_lo, row_end,
-                  offs_d, d_valid, qk_scale_log2, stride_k_page, stride_v_page,
+def _attend_split(q, m_i, k_head, v_head, bt_row, tile_begin, tile_end, kv_len, prog_lo, row_lo,
+                  row_end, offs_d, d_valid, qk_scale_log2, stride_k_page, stride_v_page,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_DOT: tl.constexpr,
-                  DOT_FP32: tl.constexpr, COMPUTE_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                  TRANSPOSED: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+                  USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                  NUM_STAGES: tl.constexpr, TRANSPOSED: tl.constexpr):
     """The online softmax over tiles [tile_begin, tile_end) from running max m_i: returns m_i, the
     running sum l_i [BLOCK_M] and the unnormalised accumulator ([BLOCK_M, BLOCK_D], or its
     transpose when TRANSPOSED)."""
@@ -156,9 +192,9 @@ def _attend_split(q, m_i, k_head, v_head, bt_row, tile_begin, tile_end, kv_len, 
     # tile's products run, which hides the memory latency of a loop that does little else.
     for tile in tl.range(tile_begin, tile_end, num_stages=NUM_STAGES):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, tile, k_head, v_head, bt_row, offs_n, offs_d,
-                                     d_valid, kv_len, row_lo, row_end, qk_scale_log2, stride_k_page,
-                                     stride_v_page, HEAD_DIM, PAGE_SIZE, BLOCK_N, USE_DOT, DOT_FP32,
-                                     COMPUTE_DTYPE, TRANSPOSED)
+                                     d_valid, kv_len, prog_lo, row_lo, row_end, qk_scale_log2,
+                                     stride_k_page, stride_v_page, HEAD_DIM, PAGE_SIZE, BLOCK_N,
+                                     WINDOW, USE_DOT, DOT_FP32, COMPUTE_DTYPE, TRANSPOSED)
     return m_i, l_i, acc
 
 
@@ -229,11 +265,12 @@ def _split_kv_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr,  # num_kv_splits == 1: write the final output, no merge
     USE_DOT: tl.constexpr,
-    DOT_FP32: tl.constexpr,  # interpreter only: it computes bf16/fp16 tl.dot wrongly, so upcast
+    DOT_FP32: tl.constexpr,  # interpreter's tl.dot forms: it computes 16-bit tl.dot wrongly, so upcast
     COMPUTE_DTYPE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm90+)
     TRANSPOSED: tl.constexpr = False,  # S^T = K Q^T, O^T = V^T P^T: rows on the MMA's N side
+    SCALE_Q_ROWS: tl.constexpr = False,  # a bfloat16 q with float16 products (an fp8 cache)
 ):
     if USE_PDL:
         # Inputs may come from the previous kernel in the stream: wait for it before any load,
@@ -294,6 +331,9 @@ def _split_kv_kernel(
         + head[:, None] * stride_q_head + offs_d[None, :]
     )
     q = tl.load(q_ptrs, mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if SCALE_Q_ROWS:
+        # From here qk_scale_log2 is one value per row: it undoes that row's scale.
+        q, qk_scale_log2 = _q_rows_in_float16_range(q.to(tl.float32), qk_scale_log2, TRANSPOSED)
     if DOT_FP32:
         q = q.to(tl.float32)
     else:
@@ -307,9 +347,10 @@ def _split_kv_kernel(
     k_head = k_ptr + kv_head.to(tl.int64) * stride_k_head
     v_head = v_ptr + kv_head.to(tl.int64) * stride_v_head
     m_i, l_i, acc = _attend_split(q, m_i, k_head, v_head, bt_row, tile_begin, tile_end, kv_len,
-                                  row_lo, row_end, offs_d, d_valid, qk_scale_log2, stride_k_page,
-                                  stride_v_page, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_M, BLOCK_N,
-                                  USE_DOT, DOT_FP32, COMPUTE_DTYPE, NUM_STAGES, TRANSPOSED)
+                                  prog_lo, row_lo, row_end, offs_d, d_valid, qk_scale_log2,
+                                  stride_k_page, stride_v_page, HEAD_DIM, BLOCK_D, PAGE_SIZE,
+                                  BLOCK_M, BLOCK_N, WINDOW, USE_DOT, DOT_FP32, COMPUTE_DTYPE,
+                                  NUM_STAGES, TRANSPOSED)
 
     # -- Epilogue: the final output (one split), or the partial output and its lse.
     _store_output(acc, m_i, l_i, out_ptr, partial_o_ptr, partial_lse_ptr, bmm2_scale, b, split,

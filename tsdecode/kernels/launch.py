@@ -34,6 +34,13 @@ def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> tl.dtype:
     return _TL_DTYPES.get(q_dtype, tl.float16)
 
 
+def scales_q_rows(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the split kernel scales each packed row of q by a power of two (and the scores by
+    its inverse) before converting it to the float16 products: a bfloat16 q over an fp8 cache,
+    whose values may lie past float16's range."""
+    return q_dtype == torch.bfloat16 and compute_dtype(q_dtype, kv_dtype) == tl.float16
+
+
 def transposed_products(kv_dtype: torch.dtype, rows: int, config: KernelConfig) -> bool:
     """Whether the split kernel computes S^T = K Q^T and O^T = V^T P^T: the MMA's M side holds 16
     tokens instead of rows padded to 16, so at <= 8 rows it issues half the MMAs and holds half
@@ -130,9 +137,11 @@ class DecodeLaunch:
             CAUSAL=shape.causal, WINDOW=shape.window_left >= 0, NUM_M_BLOCKS=num_m_blocks,
             BLOCK_M=triton.next_power_of_2(rows) if transposed else config.block_m,
             BLOCK_N=config.block_n, TRANSPOSED=transposed, DIRECT_OUT=splits == 1,
-            USE_DOT=config.uses_dot, DOT_FP32=INTERPRETER,
+            # The interpreter computes 16-bit tl.dot wrongly, so its dot forms take fp32 operands;
+            # its FMA form converts the operands as a GPU does.
+            USE_DOT=config.uses_dot, DOT_FP32=INTERPRETER and config.uses_dot,
             COMPUTE_DTYPE=compute_dtype(shape.q_dtype, shape.kv_dtype), NUM_STAGES=config.num_stages,
-            USE_PDL=self.pdl,
+            USE_PDL=self.pdl, SCALE_Q_ROWS=scales_q_rows(shape.q_dtype, shape.kv_dtype),
         )
         self._split_options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
         self._merge_grid, self._merge_constexprs, self._merge_options = None, {}, {}
