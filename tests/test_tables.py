@@ -186,6 +186,16 @@ def test_a_valid_table_parses(tmp_path, settled):
     assert len(tables.kernel_source_hash()) == 16
 
 
+def test_shipped_tables_are_current_for_todays_kernel():
+    """A kernel change moves each shipped table's ``kernel_hash`` (docs/config-tables.md says when
+    that needs no re-tune) or re-tunes it: a stale shipped table would warn on every GPU it serves."""
+    shipped = sorted((REPO / "tuned_configs").glob("*.json"))  # this module's fixture hides the package's
+    assert shipped
+    for path in shipped:
+        data = json.loads(path.read_text())
+        assert data["kernel_hash"] == tables.kernel_source_hash(), path.name
+
+
 def _set(path: tuple, value):
     """A mutation of decoded JSON: data[path...] = value (``DELETE`` removes the key)."""
     def mutate(data):
