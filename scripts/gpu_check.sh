@@ -6,6 +6,8 @@
 #   bench       bench_decode.py --suite llama
 #   sweep       the llama suite with a config sweep per shape
 #   sweepsel    the targets suite's SWEEP_ONLY shapes (default B8_L8192_H32) with a sweep
+#   sweepcfg    sweep_configs.py --configs for each list in SWEEP_CONFIGS (space-separated CSVs,
+#               e.g. the committed configs_*.csv), into sweep_<list name>.csv / .log
 #   targets     bench_decode.py --suite targets (BENCH_ONLY: comma-separated name filter)
 #   heldout     bench_decode.py --suite heldout (BENCH_ONLY too)
 #   pdl         ab_configs.py: each PDL_SHAPES shape's pick with and without programmatic
@@ -16,6 +18,8 @@
 #   host        host_overhead.py (HOST_ARGS; with AB_OTHER, that tree's rows beside this one's)
 #   ab          ab_trees.py --other "$AB_OTHER" $AB_ARGS: this tree against another source tree
 #               (a path on the device machine, e.g. an ignored folder carried with the call)
+#   abpatch     ab_trees.py $AB_ARGS with this tree as the other side (A) and a copy of it with
+#               the patch AB_PATCH applied as B (e.g. AB_PATCH=reports/candidates/NAME.patch)
 #   transformers  bench_transformers.py (TRANSFORMERS_ARGS)
 #   loop        examples/decode_loop.py (LOOP_ARGS)
 #   tune        tsdecode-tune with TUNE_ARGS (default --preset llama3-8b) into TUNE_OUT (default
@@ -23,7 +27,7 @@
 #               user cache folder's table, not this one, unless TSDECODE_CONFIG_DIR points here
 #   report      tsdecode-tune report with REPORT_ARGS (default --preset llama3-8b)
 set -u
-STEPS="tests bench sweep sweepsel targets heldout pdl ncu occupancy host ab transformers loop tune report"
+STEPS="tests bench sweep sweepsel sweepcfg targets heldout pdl ncu occupancy host ab abpatch transformers loop tune report"
 case "${1:-}" in
   -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
 esac
@@ -35,6 +39,7 @@ python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)" 
   || { echo "gpu_check.sh needs a CUDA GPU (torch finds none here)" >&2; exit 2; }
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 . scripts/device_env.sh
 python3 - <<'PY'
 import torch, triton
@@ -51,6 +56,12 @@ for step in $steps; do
     bench)   python3 scripts/bench_decode.py --suite llama --csv "$OUT/bench_llama.csv" 2>&1 | tee "$OUT/bench_llama.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     sweep)   python3 scripts/bench_decode.py --suite llama --sweep --csv "$OUT/sweep_llama.csv" > "$OUT/sweep_llama.log" 2>&1 || rc=1; grep -v "^#   " "$OUT/sweep_llama.log" ;;
     sweepsel) python3 scripts/bench_decode.py --suite targets --sweep --only "${SWEEP_ONLY:-B8_L8192_H32}" --csv "$OUT/sweepsel.csv" > "$OUT/sweepsel.log" 2>&1 || rc=1; grep -v "^#   " "$OUT/sweepsel.log" ;;
+    sweepcfg) for list in ${SWEEP_CONFIGS:-}; do
+               name=$(basename "$list" .csv); name=${name#configs_}
+               python3 scripts/sweep_configs.py --configs "$list" --csv "$OUT/sweep_$name.csv" > "$OUT/sweep_$name.log" 2>&1 || rc=1
+               tail -3 "$OUT/sweep_$name.log"
+             done
+             [ -n "${SWEEP_CONFIGS:-}" ] || { echo "the sweepcfg step needs SWEEP_CONFIGS: config lists to time"; rc=2; } ;;
     targets) python3 scripts/bench_decode.py --suite targets ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/targets.csv" 2>&1 | tee "$OUT/targets.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     heldout) python3 scripts/bench_decode.py --suite heldout ${BENCH_ONLY:+--only "$BENCH_ONLY"} --csv "$OUT/heldout.csv" 2>&1 | tee "$OUT/heldout.log" | grep -v "^#   "; rc=$((rc | ${PIPESTATUS[0]})) ;;
     pdl)     python3 scripts/ab_configs.py --shapes "${PDL_SHAPES:-1:1024:32:8,1:8192:32:8,1:32768:32:8}" --configs heur,heur:p 2>&1 | tee "$OUT/ab_pdl.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
@@ -65,6 +76,14 @@ for step in $steps; do
     ab)      if [ -z "${AB_OTHER:-}" ]; then echo "the ab step needs AB_OTHER: the root of the other source tree"; rc=2
              else python3 scripts/ab_trees.py --other "$AB_OTHER" ${AB_ARGS:-} --csv "$OUT/ab_trees.csv" 2>&1 \
                     | tee "$OUT/ab_trees.log"; rc=$((rc | ${PIPESTATUS[0]})); fi ;;
+    abpatch) if [ -z "${AB_PATCH:-}" ]; then echo "the abpatch step needs AB_PATCH: a patch against this tree"; rc=2
+             else root=$PWD patch_file=$(realpath "$AB_PATCH") patched=$(mktemp -d)
+                  cp -r tsdecode tuner scripts tuned_configs tests examples docs pyproject.toml "$patched"/
+                  if (cd "$patched" && { git apply "$patch_file" 2>/dev/null || patch -s -p1 < "$patch_file"; }); then
+                    (cd "$patched" && PYTHONPATH="$patched:$PYTHONPATH" python3 scripts/ab_trees.py --other "$root" ${AB_ARGS:-} \
+                       --csv "$OUT/ab_patch.csv") 2>&1 | tee "$OUT/ab_patch.log"; rc=$((rc | ${PIPESTATUS[0]}))
+                  else echo "AB_PATCH $AB_PATCH does not apply to this tree"; rc=2; fi
+             fi ;;
     transformers) python3 scripts/bench_transformers.py --csv "$OUT/transformers.csv" ${TRANSFORMERS_ARGS:-} 2>&1 | tee "$OUT/transformers.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     loop)    python3 examples/decode_loop.py ${LOOP_ARGS:-} 2>&1 | tee "$OUT/decode_loop.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "${TUNE_OUT:-$OUT/tuned}" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -40; rc=$((rc | ${PIPESTATUS[0]})) ;;
