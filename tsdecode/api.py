@@ -66,21 +66,22 @@ class _Plan:
         s, device = self.shape, self.device
         q_shape, q_row, combined_page, page, lens_shape, kv_inner, indptr_shape = self._expected_shapes
         try:
-            if q.dtype != s.q_dtype or q.stride(-1) != 1 or q.device != device or (
-                    not q.is_contiguous() and V.element_extent(q) >= V.INT32_ELEMENTS):  # indexed in int32
+            if q.dtype != s.q_dtype or q.device != device:
                 return False
             if q_shape is not None:
                 if q.shape != q_shape:
                     return False
             elif q.dim() != 3 or q.shape[0] > self.query_capacity or q.shape[1:] != q_row:  # packed
                 return False
-            if out is not None and (out.shape != q.shape or out.dtype != s.o_dtype or out.stride(-1) != 1
-                                    or out.device != device):
+            if not q.is_contiguous() and (q.stride(-1) != 1 or V.element_extent(q) >= V.INT32_ELEMENTS):
+                return False  # (contiguous, D > 1: stride(-1) is 1) the kernels index q in int32
+            if out is not None and (out.shape != q.shape or out.dtype != s.o_dtype or out.device != device):
                 return False
             if isinstance(paged_kv_cache, torch.Tensor):
                 if paged_kv_cache.dtype != s.kv_dtype or paged_kv_cache.shape[1:] != combined_page:
                     return False
-                if paged_kv_cache.stride()[-len(kv_inner):] != kv_inner or paged_kv_cache.device != device:
+                if paged_kv_cache.device != device or (not paged_kv_cache.is_contiguous()
+                                                        and paged_kv_cache.stride()[-len(kv_inner):] != kv_inner):
                     return False
             else:
                 k, v = paged_kv_cache
@@ -91,11 +92,12 @@ class _Plan:
                     return False
             if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != s.batch_size:
                 return False
-            if (block_tables.stride(1) != 1 and block_tables.shape[1] > 1) or block_tables.device != device:
+            if block_tables.device != device or (not block_tables.is_contiguous() and block_tables.stride(1) != 1
+                                                 and block_tables.shape[1] > 1):
                 return False  # a row is read with unit stride
             if seq_lens.dtype != torch.int32 or seq_lens.shape != lens_shape:
                 return False
-            if (seq_lens.stride(0) != 1 and s.batch_size > 1) or seq_lens.device != device:
+            if (s.batch_size > 1 and seq_lens.stride(0) != 1) or seq_lens.device != device:
                 return False
             if qo_indptr is not None and not (qo_indptr.dtype == torch.int32 and qo_indptr.shape == indptr_shape
                                               and qo_indptr.stride(0) == 1 and qo_indptr.device == device):
@@ -104,10 +106,11 @@ class _Plan:
                 return True
             # out apart from itself and the inputs; a shared storage only sends the run to the full
             # checks, which compare byte spans (out may lie beside an input in one buffer)
-            if not out.is_contiguous() and (V.overlaps_itself(out) or V.element_extent(out) >= V.INT32_ELEMENTS):
+            if not out.is_contiguous() and (out.stride(-1) != 1 or V.overlaps_itself(out) or
+                                            V.element_extent(out) >= V.INT32_ELEMENTS):
                 return False
             base = out.untyped_storage().data_ptr()
-            if base == self._workspace_storage:
+            if base == self._workspace_memory[0]:
                 return False
             kv = (paged_kv_cache,) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
             for t in (q, *kv, block_tables, seq_lens, qo_indptr):
@@ -118,8 +121,8 @@ class _Plan:
             return False
 
     @functools.cached_property
-    def _workspace_storage(self) -> int:
-        return self.workspace.untyped_storage().data_ptr()
+    def _workspace_memory(self) -> tuple:  # the run checks' view of the workspace: W.workspace_memory
+        return W.workspace_memory(self.workspace, self.shape, self.selected.kernel_config.num_kv_splits)
 
     @functools.cached_property
     def _expected_shapes(self) -> tuple:
@@ -398,19 +401,17 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
             raise ValueError(f"q must be packed [total_q, Hq, D] (the plan is packed), with total_q at most "
                              f"B*max_seq_len_q = {plan.query_capacity}; got shape {list(q.shape)}")
         total_q = q.shape[0] if s.packed and q.dim() == 3 else plan.query_capacity
-        layout = V.describe_query_layout(s.packed, s.max_seq_len_q)
-        q = V.validate_io_tensor("q", q, plan.q_shape(total_q), layout, s.q_dtype, plan.device,
-                                "as planned by q_data_type, whose default is torch.float16")
+        q = V.validate_io_tensor("q", q, plan.q_shape(total_q), V.describe_query_layout(s.packed, s.max_seq_len_q),
+                                 s.q_dtype, plan.device, "as planned by q_data_type, whose default is torch.float16")
         if s.packed and total_q > plan.query_capacity:
             raise ValueError(f"q holds {total_q} query tokens, more than B*max_seq_len_q = {plan.query_capacity}")
-        inputs = (("q", q), *cache_tensors, ("block_tables", block_tables), (lens_name, seq_lens),
-                  *((("qo_indptr", qo_indptr),) if qo_indptr is not None else ()))
+        spans = V.byte_spans((("q", q), *cache_tensors, ("block_tables", block_tables), (lens_name, seq_lens),
+                              *((("qo_indptr", qo_indptr),) if qo_indptr is not None else ())))  # what is read
         if out is not None:
             out = V.validate_io_tensor("out", out, tuple(q.shape), "q's shape", s.o_dtype, plan.device,
                                       "as planned by o_data_type, whose default is q_data_type")
-            V.validate_out(out, inputs + (("workspace_buffer", plan.workspace),))
-        partial_bytes = W.workspace_bytes(s, plan.selected.kernel_config.num_kv_splits)
-        V.validate_workspace_apart(plan.workspace.view(torch.uint8).view(-1)[:partial_bytes], inputs)
+            V.validate_out(out, spans + plan._workspace_memory[1])
+        V.validate_workspace_apart(plan._workspace_memory[2], spans)
         bmm1, bmm2 = V.validate_scales(bmm1_scale, bmm2_scale, s.head_dim)
         if validate and not values_checked:
             _check_metadata_values(plan, block_tables, seq_lens, qo_indptr, page_shape[0], total_q)

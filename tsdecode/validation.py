@@ -44,6 +44,10 @@ def require_tensor(name: str, value: object) -> torch.Tensor:
 
 def require_int(name: str, value: object, minimum: int | None = None) -> int:
     """A Python int from any integral scalar (int, numpy.int64, ...); bools and tensors refused."""
+    if type(value) is int:  # the common case, without the numbers ABC's isinstance
+        if minimum is not None and value < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {value}")
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         shown = "" if torch.compiler.is_compiling() else f" {value!r}"  # dynamo cannot repr a traced numpy value
         raise TypeError(f"{name} must be an int, got {type(value).__name__}{shown}")
@@ -61,6 +65,8 @@ def require_bool(name: str, value: object) -> bool:
 
 def require_real(name: str, value: object) -> float:
     """A real number (int, float, numpy scalar) as a float; bools and tensors refused."""
+    if type(value) is float:  # the common case, without the numbers ABC's isinstance
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number such as a Python float (a tensor would need "
                         f"a device sync), got {type(value).__name__}")
@@ -113,6 +119,8 @@ def validate_scales(bmm1_scale: object, bmm2_scale: object, head_dim: int) -> tu
     1/sqrt(D)."""
     bmm1 = 1.0 / math.sqrt(head_dim) if bmm1_scale is None else require_real("bmm1_scale", bmm1_scale)
     bmm2 = require_real("bmm2_scale", bmm2_scale)
+    if abs(bmm1) <= SCALE_LIMITS["bmm1_scale"] and abs(bmm2) <= SCALE_LIMITS["bmm2_scale"]:
+        return bmm1, bmm2  # (a NaN compares False)
     for name, value in (("bmm1_scale", bmm1), ("bmm2_scale", bmm2)):
         limit = SCALE_LIMITS[name]
         if not (math.isfinite(value) and abs(value) <= limit):
@@ -424,7 +432,12 @@ def validate_io_tensor(name: str, t: object, shape: tuple[int, ...], layout: str
 
 def element_extent(t: torch.Tensor) -> int:
     """How many elements past its first a tensor's last element lies (0 when empty)."""
-    return sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    numel = t.numel()
+    if not numel:
+        return 0
+    if t.is_contiguous():  # dims of size 1, whatever their strides, add nothing
+        return numel - 1
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
@@ -438,7 +451,7 @@ def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
 def overlaps_itself(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` may share memory (a stride-0 or interleaved view); from shape
     and strides only (exotic non-overlapping interleavings also count as overlap)."""
-    if t.numel() == 0:
+    if t.numel() == 0 or t.is_contiguous():
         return False
     reach = 0
     for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
@@ -448,8 +461,19 @@ def overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
-def validate_out(out: torch.Tensor, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """out shares no memory with itself (elements) or with any input (byte ranges)."""
+def byte_spans(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, int]]]:
+    """(name, ``byte_span``) of each non-empty tensor: what ``validate_out`` and
+    ``validate_workspace_apart`` compare against."""
+    spans = []
+    for name, t in tensors:
+        span = byte_span(t)
+        if span is not None:
+            spans.append((name, span))
+    return spans
+
+
+def validate_out(out: torch.Tensor, spans: Sequence[tuple[str, tuple[int, int]]]) -> None:
+    """out shares no memory with itself (elements) or with any input (``byte_spans``)."""
     if overlaps_itself(out):
         raise ValueError(f"out must not overlap itself (a stride-0 or interleaved view would have "
                          f"requests or heads overwrite each other), got shape {_shape(out)} strides {out.stride()}")
@@ -457,18 +481,18 @@ def validate_out(out: torch.Tensor, inputs: Sequence[tuple[str, torch.Tensor]]) 
     if span is None:
         return
     lo, hi = span
-    for name, t in inputs:
-        other = byte_span(t)
-        if other is not None and lo <= other[1] and other[0] <= hi:
+    for name, (first, last) in spans:
+        if lo <= last and first <= hi:
             raise ValueError(f"out must not alias {name} (their memory overlaps)")
 
 
-def validate_workspace_apart(partials: torch.Tensor, inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """The split partials (the bytes of the plan's workspace_buffer the run writes) share no byte
-    with a tensor the kernels read."""
-    span = byte_span(partials) if partials.numel() else None
-    for name, t in inputs if span is not None else ():
-        other = byte_span(t)
-        if other is not None and span[0] <= other[1] and other[0] <= span[1]:
+def validate_workspace_apart(partials: tuple[int, int] | None, spans: Sequence[tuple[str, tuple[int, int]]]) -> None:
+    """The split partials (the ``byte_span`` of the bytes of the plan's workspace_buffer the run
+    writes; None when it writes none) share no byte with a tensor the kernels read (``byte_spans``)."""
+    if partials is None:
+        return
+    lo, hi = partials
+    for name, (first, last) in spans:
+        if lo <= last and first <= hi:
             raise ValueError(f"workspace_buffer must not overlap {name}: the split partials the run writes "
                              f"there would overwrite it")

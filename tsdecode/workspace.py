@@ -53,6 +53,16 @@ def scratch_views(workspace: torch.Tensor, shape: ProblemShape,
     return partial_o, partial_lse
 
 
+def workspace_memory(workspace: torch.Tensor, shape: ProblemShape,
+                     num_kv_splits: int) -> tuple[int, list[tuple[str, tuple[int, int]]], tuple[int, int] | None]:
+    """What a run checks against a plan's workspace, fixed when it is planned (the partials' views
+    are): its storage's address (``_Plan.matches``), its ``byte_spans`` (out must not alias it) and
+    the byte span of the split partials, None with one split (kept apart from the inputs)."""
+    partials = workspace.view(torch.uint8).view(-1)[:workspace_bytes(shape, num_kv_splits)]
+    return (workspace.untyped_storage().data_ptr(), V.byte_spans((("workspace_buffer", workspace),)),
+            V.byte_span(partials))
+
+
 def validate_workspace(workspace: object, device: torch.device, need: int) -> torch.Tensor:
     """A caller's ``workspace_buffer``: int8/uint8, on the plan's device, contiguous, aligned and
     at least ``need`` bytes."""
