@@ -68,11 +68,10 @@ class _Plan:
         try:
             if q.dtype != s.q_dtype or q.device != device:
                 return False
-            if q_shape is not None:
-                if q.shape != q_shape:
-                    return False
-            elif q.dim() != 3 or q.shape[0] > self.query_capacity or q.shape[1:] != q_row:  # packed
+            if q_shape is not None and q.shape != q_shape:
                 return False
+            if q_shape is None and (q.dim() != 3 or q.shape[0] > self.query_capacity or q.shape[1:] != q_row):
+                return False  # packed
             if not q.is_contiguous() and (q.stride(-1) != 1 or V.element_extent(q) >= V.INT32_ELEMENTS):
                 return False  # (contiguous, D > 1: stride(-1) is 1) the kernels index q in int32
             if out is not None and (out.shape != q.shape or out.dtype != s.o_dtype or out.device != device):
