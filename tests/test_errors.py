@@ -306,7 +306,8 @@ def test_run_checks_against_plan(inp, what, validate, monkeypatch):
     elif what == "q device":
         q, pattern = torch.empty(q.shape, dtype=q.dtype, device="meta"), "q must be on"
     elif what == "cache dtype":
-        cache, exc, pattern = cache.half(), TypeError, "paged_kv_cache dtype must be torch.bfloat16"
+        cache, exc, pattern = (cache.half(), TypeError,
+                               r"paged_kv_cache dtype must be torch.bfloat16 \(as planned by kv_data_type")
     elif what == "cache geometry":
         cache = torch.zeros(cache.shape[0], 2, 2, 8, 64, dtype=cache.dtype, device=cache.device)
         pattern = r"paged_kv_cache pages must be \[Hkv=2, P=16, D=64\]"
