@@ -73,6 +73,10 @@ ONESHOT_ERRORS = {
     "seq_lens shape": (dict(seq_lens_kv="shape"), ValueError, r"seq_lens_kv has 1 lengths"),
     "seq_len zero": (dict(seq_lens_kv="zero"), ValueError, r"seq_lens_kv\[0\]=0"),
     "seq_len over capacity": (dict(seq_lens_kv="big"), ValueError, "needs 6251 pages but block_tables has C=4"),
+    # INT32_MAX (a padding sentinel, or garbage): the same error, not a NotImplementedError about the
+    # max_kv_len the caller never passed (the plan took the longest length for it)
+    "seq_len int32 max": (dict(seq_lens_kv="int32max"), ValueError,
+                          r"seq_lens_kv\[1\]=2147483647 needs 134217728 pages but block_tables has C=4"),
     "mask_type": (dict(mask_type="sliding"), ValueError, "mask_type"),
     "window without causal": (dict(window_left=4), ValueError, "needs mask_type='causal'"),
     "window below -1": (dict(window_left=-2, mask_type="causal"), ValueError, "window_left must be >= -1"),
@@ -141,6 +145,7 @@ def _materialize(inp, kw):
         ("seq_lens_kv", "shape"): lambda: sl[:1],
         ("seq_lens_kv", "zero"): lambda: torch.zeros_like(sl),
         ("seq_lens_kv", "big"): lambda: sl + 10**5,
+        ("seq_lens_kv", "int32max"): lambda: torch.cat([sl[:1], torch.full_like(sl[1:], 2**31 - 1)]),
         ("bmm1_scale", "tensor"): lambda: torch.tensor(0.1),
         ("out", "shape"): lambda: torch.empty(q.shape[0], 8, 32, dtype=BF16, device=q.device),
         ("out", "bf16"): lambda: torch.empty_like(q),

@@ -113,9 +113,13 @@ def batch_decode_with_paged_kv_cache(
         qo_indptr = V.validate_qo_indptr(qo_indptr, batch, device)
     with api.on_device(device):
         lens, indptr, min_page, max_page = read_metadata(block_tables, seq_lens_kv, qo_indptr, page_size)
+    cols = block_tables.shape[1]
     for b, n in enumerate(lens):
         if n < 1:
             raise ValueError(f"seq_lens_kv[{b}]={n} must be >= 1")
+        if max_kv_len is None and n > cols * page_size:  # here, not as the capacity planned from max(lens)
+            raise ValueError(f"seq_lens_kv[{b}]={n} needs {-(-n // page_size)} pages but block_tables has "
+                             f"C={cols} columns of page_size {page_size}")
     if packed and sq is None:  # the capacity: the longest request (checked below)
         sq = max(1, max(b - a for a, b in zip(indptr, indptr[1:])))
     if max_kv_len is not None:
