@@ -112,6 +112,10 @@ ONESHOT_ERRORS = {
     "qo_indptr not increasing": (dict(qo_indptr="flat"), ValueError, "strictly increase"),
     "qo_indptr last offset": (dict(qo_indptr="short"), ValueError, r"qo_indptr\[-1\]=3 must equal total_q=2"),
     "qo_indptr capacity": (dict(qo_indptr="long2", max_seq_len_q=1), ValueError, "more than max_seq_len_q=1"),
+    # garbage offsets past q's tokens: their error, not a NotImplementedError about B*SQ*Hq*D from the
+    # capacity the plan would have derived from them
+    "qo_indptr last offset past q": (dict(qo_indptr="huge-last"), ValueError, r"qo_indptr\[-1\]=5000000 must equal total_q=2"),
+    "qo_indptr offset past q": (dict(qo_indptr="huge-mid"), ValueError, r"strictly increase .* qo_indptr\[1\]=5000000"),
     "qo_indptr alias disagrees": (dict(qo_indptr="ok", seq_len_q=3, max_seq_len_q=4), ValueError, "disagrees"),
     "packed q 4-D": (dict(qo_indptr="ok", q="4d"), ValueError, "packed q"),
     "validate not bool": (dict(validate=0), TypeError, "validate must be a bool"),
@@ -164,6 +168,8 @@ def _materialize(inp, kw):
         ("qo_indptr", "short"): lambda: torch.tensor([0, 1, 3], dtype=torch.int32, device=q.device),
         ("qo_indptr", "long2"): lambda: torch.tensor([0, 1, 3], dtype=torch.int32, device=q.device),
         ("qo_indptr", "ok"): lambda: torch.tensor([0, 1, 2], dtype=torch.int32, device=q.device),
+        ("qo_indptr", "huge-last"): lambda: torch.tensor([0, 1, 5 * 10**6], dtype=torch.int32, device=q.device),
+        ("qo_indptr", "huge-mid"): lambda: torch.tensor([0, 5 * 10**6, 2], dtype=torch.int32, device=q.device),
         ("qo_indptr", "2d"): lambda: torch.tensor([[0, 1, 2]], dtype=torch.int32, device=q.device),
         ("q", "meta"): lambda: q.to("meta"),
     }
