@@ -73,6 +73,10 @@ ONESHOT_ERRORS = {
     "seq_lens shape": (dict(seq_lens_kv="shape"), ValueError, r"seq_lens_kv has 1 lengths"),
     "seq_len zero": (dict(seq_lens_kv="zero"), ValueError, r"seq_lens_kv\[0\]=0"),
     "seq_len over capacity": (dict(seq_lens_kv="big"), ValueError, "needs 6251 pages but block_tables has C=4"),
+    # INT32_MAX (a padding sentinel, or garbage): the same error, not a NotImplementedError about the
+    # max_kv_len the caller never passed (the plan took the longest length for it)
+    "seq_len int32 max": (dict(seq_lens_kv="int32max"), ValueError,
+                          r"seq_lens_kv\[1\]=2147483647 needs 134217728 pages but block_tables has C=4"),
     "mask_type": (dict(mask_type="sliding"), ValueError, "mask_type"),
     "window without causal": (dict(window_left=4), ValueError, "needs mask_type='causal'"),
     "window below -1": (dict(window_left=-2, mask_type="causal"), ValueError, "window_left must be >= -1"),
@@ -108,6 +112,10 @@ ONESHOT_ERRORS = {
     "qo_indptr not increasing": (dict(qo_indptr="flat"), ValueError, "strictly increase"),
     "qo_indptr last offset": (dict(qo_indptr="short"), ValueError, r"qo_indptr\[-1\]=3 must equal total_q=2"),
     "qo_indptr capacity": (dict(qo_indptr="long2", max_seq_len_q=1), ValueError, "more than max_seq_len_q=1"),
+    # garbage offsets past q's tokens: their error, not a NotImplementedError about B*SQ*Hq*D from the
+    # capacity the plan would have derived from them
+    "qo_indptr last offset past q": (dict(qo_indptr="huge-last"), ValueError, r"qo_indptr\[-1\]=5000000 must equal total_q=2"),
+    "qo_indptr offset past q": (dict(qo_indptr="huge-mid"), ValueError, r"strictly increase .* qo_indptr\[1\]=5000000"),
     "qo_indptr alias disagrees": (dict(qo_indptr="ok", seq_len_q=3, max_seq_len_q=4), ValueError, "disagrees"),
     "packed q 4-D": (dict(qo_indptr="ok", q="4d"), ValueError, "packed q"),
     "validate not bool": (dict(validate=0), TypeError, "validate must be a bool"),
@@ -141,6 +149,7 @@ def _materialize(inp, kw):
         ("seq_lens_kv", "shape"): lambda: sl[:1],
         ("seq_lens_kv", "zero"): lambda: torch.zeros_like(sl),
         ("seq_lens_kv", "big"): lambda: sl + 10**5,
+        ("seq_lens_kv", "int32max"): lambda: torch.cat([sl[:1], torch.full_like(sl[1:], 2**31 - 1)]),
         ("bmm1_scale", "tensor"): lambda: torch.tensor(0.1),
         ("out", "shape"): lambda: torch.empty(q.shape[0], 8, 32, dtype=BF16, device=q.device),
         ("out", "bf16"): lambda: torch.empty_like(q),
@@ -159,6 +168,8 @@ def _materialize(inp, kw):
         ("qo_indptr", "short"): lambda: torch.tensor([0, 1, 3], dtype=torch.int32, device=q.device),
         ("qo_indptr", "long2"): lambda: torch.tensor([0, 1, 3], dtype=torch.int32, device=q.device),
         ("qo_indptr", "ok"): lambda: torch.tensor([0, 1, 2], dtype=torch.int32, device=q.device),
+        ("qo_indptr", "huge-last"): lambda: torch.tensor([0, 1, 5 * 10**6], dtype=torch.int32, device=q.device),
+        ("qo_indptr", "huge-mid"): lambda: torch.tensor([0, 5 * 10**6, 2], dtype=torch.int32, device=q.device),
         ("qo_indptr", "2d"): lambda: torch.tensor([[0, 1, 2]], dtype=torch.int32, device=q.device),
         ("q", "meta"): lambda: q.to("meta"),
     }
@@ -306,7 +317,8 @@ def test_run_checks_against_plan(inp, what, validate, monkeypatch):
     elif what == "q device":
         q, pattern = torch.empty(q.shape, dtype=q.dtype, device="meta"), "q must be on"
     elif what == "cache dtype":
-        cache, exc, pattern = cache.half(), TypeError, "paged_kv_cache dtype must be torch.bfloat16"
+        cache, exc, pattern = (cache.half(), TypeError,
+                               r"paged_kv_cache dtype must be torch.bfloat16 \(as planned by kv_data_type")
     elif what == "cache geometry":
         cache = torch.zeros(cache.shape[0], 2, 2, 8, 64, dtype=cache.dtype, device=cache.device)
         pattern = r"paged_kv_cache pages must be \[Hkv=2, P=16, D=64\]"

@@ -345,8 +345,8 @@ class BatchDecodePagedTSWrapper:
         ``seq_lens`` is required iff the plan does not own the lengths (CUDA int32 [B]);
         ``block_tables`` int32 [B, C] with contiguous rows (row stride >= C), of which only each
         request's first ceil(len / P) entries are read; ``qo_indptr`` int32 [B+1] for a packed
-        plan. ``validate=False`` checks only the tensors' shapes and dtypes, on the host: no host
-        sync, nothing allocated when ``out`` is given (CUDA-graph capturable).
+        plan. ``validate=False`` checks only the tensors' shapes, dtypes, devices and strides, on the
+        host: no sync, nothing allocated when ``out`` is given (CUDA-graph capturable).
         Under ``torch.compile`` it is one opaque op (``torch.ops.tsdecode.run_planned``).
         """
         plan = self._plan

@@ -113,11 +113,16 @@ def batch_decode_with_paged_kv_cache(
         qo_indptr = V.validate_qo_indptr(qo_indptr, batch, device)
     with api.on_device(device):
         lens, indptr, min_page, max_page = read_metadata(block_tables, seq_lens_kv, qo_indptr, page_size)
+    cols = block_tables.shape[1]
     for b, n in enumerate(lens):
         if n < 1:
             raise ValueError(f"seq_lens_kv[{b}]={n} must be >= 1")
-    if packed and sq is None:  # the capacity: the longest request (checked below)
-        sq = max(1, max(b - a for a, b in zip(indptr, indptr[1:])))
+        if max_kv_len is None and n > cols * page_size:  # here, not as the capacity planned from max(lens)
+            raise ValueError(f"seq_lens_kv[{b}]={n} needs {-(-n // page_size)} pages but block_tables has "
+                             f"C={cols} columns of page_size {page_size}")
+    if packed:  # the offsets before they size the plan (garbage would overflow it); the capacity checked below
+        q_lens = V.validate_qo_indptr_values(indptr, q.shape[0], V.INT32_ELEMENTS if sq is None else sq)
+        sq = max(q_lens) if sq is None else sq  # derived: the longest request
     if max_kv_len is not None:
         max_kv_len = V.require_int("max_kv_len", max_kv_len, minimum=1)
     device, shape = api.plan_problem(device, batch, num_qo_heads, num_kv_heads, head_dim, page_size,

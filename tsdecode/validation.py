@@ -272,8 +272,7 @@ def validate_lengths_tensor(name: str, seq_lens: object, batch: int, device: tor
 
 
 def validate_host_lengths(seq_lens: object, batch: int, max_kv_len: int) -> tuple[int, ...]:
-    """plan's ``seq_lens``: a sequence of ints or a 1-D CPU int32/int64 tensor, B values in
-    [1, max_kv_len]."""
+    """plan's ``seq_lens``: a sequence of ints or a 1-D CPU int32/int64 tensor of B values in [1, max_kv_len]."""
     if isinstance(seq_lens, torch.Tensor):
         if seq_lens.device.type != "cpu":
             raise ValueError(f"plan's seq_lens must be host values (a sequence of ints or a CPU "
@@ -389,7 +388,8 @@ def validate_cache_against_plan(page_shape: tuple[int, int, int, int], dtype: to
         raise ValueError(f"paged_kv_cache pages must be [Hkv={num_kv_heads}, P={page_size}, D={head_dim}] "
                          f"(HND, as planned), got [{hkv}, {p}, {d}]")
     if dtype != kv_dtype:
-        raise TypeError(f"paged_kv_cache dtype must be {kv_dtype} (as planned), got {dtype}")
+        raise TypeError(f"paged_kv_cache dtype must be {kv_dtype} (as planned by kv_data_type, whose default "
+                        f"is q_data_type), got {dtype}")
     if device != plan_device:
         raise ValueError(f"paged_kv_cache must be on {plan_device}, got {device}")
 
