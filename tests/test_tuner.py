@@ -636,6 +636,47 @@ def test_an_interrupt_while_the_closing_files_are_written_exits_130(tmp_path, mo
     assert "Traceback" not in err and list(tmp_path.glob("*.json"))
 
 
+@cpu_only
+@pytest.mark.parametrize("where", ["closing the measuring process", "writing the table"])
+def test_an_interrupt_after_the_search_still_writes_the_finished_buckets(where, tmp_path, monkeypatch, capsys):
+    """Ctrl-C / SIGTERM once every bucket is final, while the run closes its measuring process or
+    while it writes the table: the finished buckets still land in the table, with the usual line
+    and exit code 130."""
+    from tuner import job as tuner_job
+
+    def interrupt_once(original):
+        fired = []
+
+        def patched(*args, **kwargs):
+            if not fired:
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+                raise AssertionError("no signal arrived")
+            return original(*args, **kwargs)
+        return patched
+
+    if where == "writing the table":
+        monkeypatch.setattr(tuner_job, "export", interrupt_once(tuner_job.export))
+    else:
+        monkeypatch.setattr(search.Tuner, "close", interrupt_once(search.Tuner.close))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            rc = main([*TINY, "--trials", "2", "--out", str(tmp_path), "--isolation", "inline", *FAST])
+        except KeyboardInterrupt:  # (before the fix: would end pytest's session)
+            rc = "KeyboardInterrupt"
+    finally:
+        for sig, handler in handlers.items():  # the run ignores signals once one came
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert rc == 130, err
+    assert err.endswith(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume\n"), err
+    assert "Traceback" not in err, err
+    table = tables.load_table(study.OutputPaths.for_device(CPU.name, tmp_path).table)
+    assert table is not None and sum(len(b) for b in table.entries.values()) == 1, err
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal mask from /proc")
 def test_an_interrupt_while_torch_imports_exits_130_without_a_traceback(tmp_path):
     """SIGINT in the first second (``select_device`` importing torch): one line, exit code 130."""
