@@ -1138,7 +1138,12 @@ def test_a_bucket_is_not_complete_while_its_default_waits_in_the_queue(tmp_path)
     (["--preset", "nope"], "unknown preset 'nope'"),
     (["--batch-sizes", "1,x", "--kv-lens", "64"], "comma-separated list of integers"),
     (["--batch-sizes", "0", "--kv-lens", "64"], "expected positive integers"),
-    (["--batch-sizes", "4"], "needs both batch sizes and K/V lengths"),
+    (["--batch-sizes", "4"], "--kv-lens missing: a custom grid needs both batch sizes and K/V lengths"),
+    (["--kv-lens", "64"], "--batch-sizes missing: a custom grid needs both batch sizes and K/V lengths"),
+    (["--batch-sizes", "abc"], "--batch-sizes: expected a comma-separated list of integers, got 'abc'"),
+    # a custom grid's flag beside a preset shaped nothing: refused, not ignored
+    (["--preset", "smoke", "--page-sizes", "32"], "--page-sizes shapes a custom grid only: give it with --batch-sizes"),
+    (["--preset", "smoke", "--heads", "4:3"], "--heads shapes a custom grid only"),
     (["--trials", "0"], "--trials: expected an integer >= 1"),
     (["--block-n", "48"], "--block-n [48] not in"),
     (["--num-kv-splits", "2000"], "--num-kv-splits [2000] not in [1, 1024]"),
@@ -1258,7 +1263,7 @@ def test_cli_bad_grid_file_names_the_key(body, message, tmp_path, capsys):
     ("batch_sizes = [1.5]\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
     ("batch_sizes = 5\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
     ("batch_sizes = [1]\nkv_lens = [0]", "kv_lens: expected positive integers"),
-    ("batch_sizes = [1]", "needs both batch sizes and K/V lengths"),
+    ("batch_sizes = [1]", "kv_lens missing: a custom grid needs both batch sizes and K/V lengths"),
     ("batch_sizes = [true]\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
     ("batch_sizes = [1]\nkv_lens = [40]\n[settings]\ntrials = 4", "expected one or more [[grid]] tables (unknown "
                                                                    "top-level key(s) ['settings'])"),
