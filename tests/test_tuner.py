@@ -717,7 +717,9 @@ def test_a_second_tuner_on_the_same_study_exits_2(tmp_path, capsys):
             study.lock_study(paths)
         assert main([*TINY, "--trials", "2", "--out", str(tmp_path), "--isolation", "inline", *FAST]) == 2
         err = capsys.readouterr().err
-        assert "tsdecode-tune: error: another tuner is using" in err and "different --out" in err
+        assert "tsdecode-tune: error: another tuner is using" in err
+        # the advice keeps the table where it is: a storage of its own, not another --out
+        assert f"--storage FILE.journal): its buckets are still merged into {paths.table}" in err
         assert "Traceback" not in err and not list(tmp_path.glob("*_trials.jsonl"))
         assert "grid:" not in err and "table:" not in err  # refused before the run's header lines
         assert s.get_trials(deepcopy=False)[live.number].state.name == "RUNNING"
