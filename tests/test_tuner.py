@@ -636,6 +636,47 @@ def test_an_interrupt_while_the_closing_files_are_written_exits_130(tmp_path, mo
     assert "Traceback" not in err and list(tmp_path.glob("*.json"))
 
 
+@cpu_only
+@pytest.mark.parametrize("where", ["closing the measuring process", "writing the table"])
+def test_an_interrupt_after_the_search_still_writes_the_finished_buckets(where, tmp_path, monkeypatch, capsys):
+    """Ctrl-C / SIGTERM once every bucket is final, while the run closes its measuring process or
+    while it writes the table: the finished buckets still land in the table, with the usual line
+    and exit code 130."""
+    from tuner import job as tuner_job
+
+    def interrupt_once(original):
+        fired = []
+
+        def patched(*args, **kwargs):
+            if not fired:
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+                raise AssertionError("no signal arrived")
+            return original(*args, **kwargs)
+        return patched
+
+    if where == "writing the table":
+        monkeypatch.setattr(tuner_job, "export", interrupt_once(tuner_job.export))
+    else:
+        monkeypatch.setattr(search.Tuner, "close", interrupt_once(search.Tuner.close))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            rc = main([*TINY, "--trials", "2", "--out", str(tmp_path), "--isolation", "inline", *FAST])
+        except KeyboardInterrupt:  # (before the fix: would end pytest's session)
+            rc = "KeyboardInterrupt"
+    finally:
+        for sig, handler in handlers.items():  # the run ignores signals once one came
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert rc == 130, err
+    assert err.endswith(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume\n"), err
+    assert "Traceback" not in err, err
+    table = tables.load_table(study.OutputPaths.for_device(CPU.name, tmp_path).table)
+    assert table is not None and sum(len(b) for b in table.entries.values()) == 1, err
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal mask from /proc")
 def test_an_interrupt_while_torch_imports_exits_130_without_a_traceback(tmp_path):
     """SIGINT in the first second (``select_device`` importing torch): one line, exit code 130."""
@@ -676,7 +717,9 @@ def test_a_second_tuner_on_the_same_study_exits_2(tmp_path, capsys):
             study.lock_study(paths)
         assert main([*TINY, "--trials", "2", "--out", str(tmp_path), "--isolation", "inline", *FAST]) == 2
         err = capsys.readouterr().err
-        assert "tsdecode-tune: error: another tuner is using" in err and "different --out" in err
+        assert "tsdecode-tune: error: another tuner is using" in err
+        # the advice keeps the table where it is: a storage of its own, not another --out
+        assert f"--storage FILE.journal): its buckets are still merged into {paths.table}" in err
         assert "Traceback" not in err and not list(tmp_path.glob("*_trials.jsonl"))
         assert "grid:" not in err and "table:" not in err  # refused before the run's header lines
         assert s.get_trials(deepcopy=False)[live.number].state.name == "RUNNING"
@@ -1097,7 +1140,12 @@ def test_a_bucket_is_not_complete_while_its_default_waits_in_the_queue(tmp_path)
     (["--preset", "nope"], "unknown preset 'nope'"),
     (["--batch-sizes", "1,x", "--kv-lens", "64"], "comma-separated list of integers"),
     (["--batch-sizes", "0", "--kv-lens", "64"], "expected positive integers"),
-    (["--batch-sizes", "4"], "needs both batch sizes and K/V lengths"),
+    (["--batch-sizes", "4"], "--kv-lens missing: a custom grid needs both batch sizes and K/V lengths"),
+    (["--kv-lens", "64"], "--batch-sizes missing: a custom grid needs both batch sizes and K/V lengths"),
+    (["--batch-sizes", "abc"], "--batch-sizes: expected a comma-separated list of integers, got 'abc'"),
+    # a custom grid's flag beside a preset shaped nothing: refused, not ignored
+    (["--preset", "smoke", "--page-sizes", "32"], "--page-sizes shapes a custom grid only: give it with --batch-sizes"),
+    (["--preset", "smoke", "--heads", "4:3"], "--heads shapes a custom grid only"),
     (["--trials", "0"], "--trials: expected an integer >= 1"),
     (["--block-n", "48"], "--block-n [48] not in"),
     (["--num-kv-splits", "2000"], "--num-kv-splits [2000] not in [1, 1024]"),
@@ -1217,7 +1265,7 @@ def test_cli_bad_grid_file_names_the_key(body, message, tmp_path, capsys):
     ("batch_sizes = [1.5]\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
     ("batch_sizes = 5\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
     ("batch_sizes = [1]\nkv_lens = [0]", "kv_lens: expected positive integers"),
-    ("batch_sizes = [1]", "needs both batch sizes and K/V lengths"),
+    ("batch_sizes = [1]", "kv_lens missing: a custom grid needs both batch sizes and K/V lengths"),
     ("batch_sizes = [true]\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
     ("batch_sizes = [1]\nkv_lens = [40]\n[settings]\ntrials = 4", "expected one or more [[grid]] tables (unknown "
                                                                    "top-level key(s) ['settings'])"),

@@ -151,22 +151,24 @@ def add_grid_arguments(parser) -> None:
                         "(batch_sizes, kv_lens, heads, head_dim, page_sizes, kv_dtypes, ...)")
     g.add_argument("--batch-sizes", help="custom grid: comma-separated batch sizes, e.g. 1,8,64")
     g.add_argument("--kv-lens", help="custom grid: comma-separated K/V lengths, e.g. 1024,8192")
-    g.add_argument("--heads", default="32:8", help="custom grid: HQ:HKV pairs, e.g. 32:8,64:8")
-    g.add_argument("--head-dim", default="128", help="custom grid: head dims, e.g. 64,128")
-    g.add_argument("--page-sizes", default="16", help="custom grid: page sizes, e.g. 1,16,64")
-    g.add_argument("--kv-dtypes", default="bfloat16", help="custom grid: K/V dtypes, of "
+    # The other custom-grid flags default to None, so that one given without a custom grid is
+    # refused instead of ignored; _custom_grid supplies their defaults.
+    g.add_argument("--heads", default=None, help="custom grid: HQ:HKV pairs, e.g. 32:8,64:8 (default 32:8)")
+    g.add_argument("--head-dim", default=None, help="custom grid: head dims, e.g. 64,128 (default 128)")
+    g.add_argument("--page-sizes", default=None, help="custom grid: page sizes, e.g. 1,16,64 (default 16)")
+    g.add_argument("--kv-dtypes", default=None, help="custom grid: K/V dtypes, of "
                    f"{', '.join(INPUT_DTYPE_NAMES)} (q/out follow unless --q-dtype is given; an fp8 cache takes "
                    "bf16 q)")
     g.add_argument("--q-dtype", default=None, help=f"custom grid: query dtype, one of {', '.join(INPUT_DTYPE_NAMES)} "
                    "(default: the K/V dtype, bfloat16 for an fp8 cache)")
-    g.add_argument("--seq-len-q", type=int, default=1, help="custom grid: query tokens per request")
+    g.add_argument("--seq-len-q", type=int, default=None, help="custom grid: query tokens per request (default 1)")
     g.add_argument("--packed", action="store_true", help="custom grid: packed queries (qo_indptr)")
-    g.add_argument("--mask", default="dense", choices=("dense", "causal"),
+    g.add_argument("--mask", default=None, choices=("dense", "causal"),
                    help="custom grid: dense: every query token sees all K/V tokens; causal: only those up to its "
-                        "own position (default %(default)s)")
-    g.add_argument("--window-left", type=int, default=-1,
+                        "own position (default dense)")
+    g.add_argument("--window-left", type=int, default=None,
                    help="custom grid: sliding window, with --mask causal: each query token sees itself and at "
-                        "most this many K/V tokens before it (default %(default)s: no window)")
+                        "most this many K/V tokens before it (default -1: no window)")
     g.add_argument("--ragged", action="store_true", help="custom grid: ragged K/V lengths")
 
 
@@ -256,10 +258,11 @@ def _custom_grid(opts: dict, where: str = "") -> list[ShapeSpec]:
         value = opts.get(key)
         return default if value is None else value
 
-    if get("batch_sizes") is None or get("kv_lens") is None:
-        raise ValueError(f"{where}a custom grid needs both batch sizes and K/V lengths")
-    batch_sizes = _ints(get("batch_sizes"), name("batch_sizes"))
-    kv_lens = _ints(get("kv_lens"), name("kv_lens"))
+    given = {k: _ints(get(k), name(k)) for k in ("batch_sizes", "kv_lens") if get(k) is not None}
+    missing = [name(k) for k in ("batch_sizes", "kv_lens") if k not in given]
+    if missing:
+        raise ValueError(f"{where}{missing[0]} missing: a custom grid needs both batch sizes and K/V lengths")
+    batch_sizes, kv_lens = given["batch_sizes"], given["kv_lens"]
     heads = _heads(get("heads", "32:8"), name("heads"))
     head_dims = _ints(get("head_dim", "128"), name("head_dim"), single=True)
     page_sizes = _ints(get("page_sizes", "16"), name("page_sizes"))
@@ -348,7 +351,12 @@ def specs_from_args(args) -> list[ShapeSpec]:
             if not isinstance(table, dict):
                 raise ValueError(f"{where}expected a table of keys, got {table!r}")
             specs += _custom_grid(table, where)
-    if args.batch_sizes or args.kv_lens:
+    stray = [k for k in GRID_KEYS[2:] if getattr(args, k, None) not in (None, False)]
+    if stray and args.batch_sizes is None and args.kv_lens is None:
+        flag = "--" + stray[0].replace("_", "-")
+        raise ValueError(f"{flag} shapes a custom grid only: give it with --batch-sizes and --kv-lens (a preset "
+                         "and --grid-file have shapes of their own)")
+    if args.batch_sizes is not None or args.kv_lens is not None:
         specs += _custom_grid({
             "batch_sizes": args.batch_sizes, "kv_lens": args.kv_lens, "heads": args.heads,
             "head_dim": args.head_dim, "page_sizes": args.page_sizes, "kv_dtypes": args.kv_dtypes,

@@ -280,23 +280,35 @@ def _finish(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequ
             grid: Sequence = ()) -> int:
     """Write the table from the storage, the CSV, the summary and the closing lines; ``grid``: the
     run's shapes (the closing lines name one of them where --stale-only left no job, and say
-    when they were only the smoke preset's). Interrupted meanwhile: the usual line, exit 130."""
+    when they were only the smoke preset's). Interrupted meanwhile: the finished buckets are
+    written all the same (unless they were already), the usual line, exit 130."""
+    written: list = []
     try:
-        return _write_and_report(storage, job, paths, results, t_start, cpu, extra, grid)
+        return _write_and_report(storage, job, paths, results, t_start, cpu, extra, grid, written)
     except BaseException as e:
         if not is_interrupt(e):
             raise
-        echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
-        return 130
+        return _interrupted_after_search(storage, job, paths, table_written=bool(written))
+
+
+def _interrupted_after_search(storage, job, paths, table_written: bool = False) -> int:
+    """Ctrl-C / SIGTERM once the search is over (signals are ignored from then on): the finished
+    buckets still go into the table, then the usual line, exit 130."""
+    if not table_written:
+        echo(f"{PROG}: interrupted: writing the finished buckets")
+        _export_interrupted(storage, job, paths)
+    echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
+    return 130
 
 
 def _write_and_report(storage, job, paths, results, t_start: float, cpu: bool, extra: Sequence[str],
-                      grid: Sequence) -> int:
+                      grid: Sequence, written: list) -> int:
     from . import job as J
     from .buckets import summary_table
     from .study import write_trials_csv
 
     ex = J.export(storage, job, paths.table.parent, warn=echo) if job is not None else None
+    written.append(True)
     if results is None:
         results = ex.results if ex is not None else []
     try:
@@ -513,13 +525,21 @@ def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: b
             return 130
         raise
     finally:
-        if pool is not None:
-            pool.close(wait=False)
-        if client is not None:
-            client.close()
-        if tuner is not None:
-            tuner.close()
+        late = None  # an interrupt while closing: the search is over, its buckets are still written
+        try:
+            if pool is not None:
+                pool.close(wait=False)
+            if client is not None:
+                client.close()
+            if tuner is not None:
+                tuner.close()
+        except BaseException as e:
+            if not is_interrupt(e):
+                raise
+            late = e
     try:
+        if late is not None:
+            return _interrupted_after_search(storage, job, paths)
         extra = []
         if pool is not None and pool.compiled:
             extra.append(f"precompiled {pool.compiled} candidates in {compile_workers} processes ({pool.busy_s:.0f} s "
@@ -528,6 +548,10 @@ def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: b
             extra.append(f"the measuring process checked and timed {tuner.measured_now} valid candidates; preparing "
                          f"their kernels (compiling those not precompiled) took {tuner.plan_s:.0f} s")
         return _finish(storage, job, paths, results, t_start, cpu, extra, grid=specs)
+    except BaseException as e:
+        if not is_interrupt(e):
+            raise
+        return _interrupted_after_search(storage, job, paths)
     finally:
         lock.release()
 
@@ -569,8 +593,13 @@ def _tune_supervised(args, slots, specs, table_dir: Path, work_dir: Path, cpu: b
             _export_interrupted(storage, job, paths)
             echo(f"{PROG}: interrupted; finished trials are saved, rerun the same command to resume")
             return 130
-        if progress is not None:
-            echo(progress())
+        try:
+            if progress is not None:
+                echo(progress())
+        except BaseException as e:
+            if not is_interrupt(e):
+                raise
+            return _interrupted_after_search(storage, job, paths)
         refused = [slots[i].label for i, rc in codes.items() if rc == 2]
         rc = _finish(storage, job, paths, None, t_start, cpu, grid=specs)
         return 2 if len(refused) == len(slots) else rc

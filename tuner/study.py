@@ -105,7 +105,8 @@ def lock_study(paths: OutputPaths) -> filelock.FileLock:
         lock.acquire(timeout=0)
     except filelock.Timeout:
         raise StudyBusy(f"another tuner is using {paths.storage_file or paths.storage}; wait for it to "
-                        "finish or pass a different --out") from None
+                        "finish, or give this run a study storage of its own (--storage FILE.journal): "
+                        f"its buckets are still merged into {paths.table}") from None
     return lock
 
 
