@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's checks: install any wheels in .whl/, then run the named steps in order; logs
-# and CSVs go to $OUT if set, else ./gpu_out. Usage: scripts/gpu_check.sh [STEP ...]
+# and CSVs go to $OUT if set, else ./gpu_out, and after each step into one archive there,
+# results.tgz (a device call brings back only a few files). Usage: scripts/gpu_check.sh [STEP ...]
 # (default: tests bench). Steps and the variables they read:
 #   tests       the test suite (GPU tests included; 8 workers where pytest-xdist is installed)
 #   bench       bench_decode.py --suite llama
@@ -48,6 +49,9 @@ print(f"device: {p.name}, {p.multi_processor_count} SMs, torch {torch.__version_
 PY
 steps=${*:-tests bench}
 rc=0
+# A device call returns only a few files: after each step everything in $OUT is packed into one
+# archive as well (results.tgz), so a call cut short still brings back the steps it finished.
+pack() { (cd "$OUT" && tar czf /tmp/gpu_check_results.tgz --exclude=results.tgz . && mv /tmp/gpu_check_results.tgz results.tgz); }
 for step in $steps; do
   echo "=== $step ==="
   case $step in
@@ -90,5 +94,6 @@ for step in $steps; do
     report)  python3 -m tuner report ${REPORT_ARGS:---preset llama3-8b} --out "$OUT/report" 2>&1 | tee "$OUT/report.log" | tail -30; rc=$((rc | ${PIPESTATUS[0]})) ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
+  pack
 done
 exit $rc
