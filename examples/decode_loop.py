@@ -34,6 +34,7 @@ if not torch.cuda.is_available():
 
 from tsdecode.graphs import DecodeGraphs  # noqa: E402
 from tsdecode.reference import reference_decode  # noqa: E402
+from tsdecode.validation import validate_heads  # noqa: E402
 
 PAD_PAGE = 0  # never handed out: padding rows of a padded batch read it
 # What every step must meet against the float64 reference: bf16 output rounding (2^-8 relative)
@@ -196,24 +197,62 @@ def run_all(args) -> dict[str, Result]:
     return results
 
 
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a probability in (0, 1], got {text!r}")
+    return value
+
+
+def pages_needed(args) -> int:
+    """Cache pages the loop can hold at once: every request at its longest, plus PAD_PAGE."""
+    return args.max_batch * -(-args.max_kv_len // args.page_size) + 1
+
+
 def main(argv=None) -> dict[str, Result]:
     on_gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=300 if on_gpu else 40)
-    p.add_argument("--max-batch", type=int, default=48 if on_gpu else 4)
-    p.add_argument("--join-rate", type=float, default=0.5)
-    p.add_argument("--max-prompt", type=int, default=900 if on_gpu else 20)
-    p.add_argument("--max-new", type=int, default=200 if on_gpu else 12)
-    p.add_argument("--qo-heads", type=int, default=32 if on_gpu else 4)
-    p.add_argument("--kv-heads", type=int, default=8 if on_gpu else 2)
-    p.add_argument("--head-dim", type=int, default=128 if on_gpu else 64)
-    p.add_argument("--page-size", type=int, default=16 if on_gpu else 4)
-    p.add_argument("--num-pages", type=int, default=4096 if on_gpu else 64)
+    positive = _at_least(1)
+    p.add_argument("--steps", type=positive, default=300 if on_gpu else 40)
+    p.add_argument("--max-batch", type=positive, default=48 if on_gpu else 4)
+    p.add_argument("--join-rate", type=_rate, default=0.5)
+    p.add_argument("--max-prompt", type=positive, default=900 if on_gpu else 20)
+    p.add_argument("--max-new", type=positive, default=200 if on_gpu else 12)
+    p.add_argument("--qo-heads", type=positive, default=32 if on_gpu else 4)
+    p.add_argument("--kv-heads", type=positive, default=8 if on_gpu else 2)
+    p.add_argument("--head-dim", type=positive, default=128 if on_gpu else 64)
+    p.add_argument("--page-size", type=positive, default=16 if on_gpu else 4)
+    p.add_argument("--num-pages", type=positive, default=4096 if on_gpu else 64)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.max_kv_len = args.max_prompt + args.max_new
+    try:
+        validate_heads(args.qo_heads, args.kv_heads, args.head_dim, args.page_size)
+    except (ValueError, NotImplementedError) as e:
+        p.error(f"--qo-heads/--kv-heads/--head-dim/--page-size: {e}")
+    if args.num_pages < pages_needed(args):
+        p.error(f"--num-pages {args.num_pages}: the loop may hold up to {pages_needed(args)} pages at once "
+                "(--max-batch x ceil((--max-prompt + --max-new) / --page-size), plus the padding page)")
     results = run_all(args)
     r = next(iter(results.values()))
+    if r.steps == 0:
+        p.error(f"no request joined in {args.steps} steps (seed {args.seed}): nothing was measured; "
+                "raise --steps or --join-rate")
     print(f"{args.steps} steps ({r.steps} with a live request), {r.joined} requests joined, {r.left} left, "
           f"batch sizes {min(r.batch_sizes)}..{max(r.batch_sizes)}")
     print(f"{'mode':<9} {'steps/s':>9} {'max abs err':>12} {'max rel err':>12}  (attention only, vs float64 reference)")

@@ -17,7 +17,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+try:
+    from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+except ImportError as e:
+    raise SystemExit(f"transformers_generate.py: error: needs transformers 5.17 or 5.24 "
+                     f"(pip install 'tsdecode[transformers]'): {e}") from None
 
 from tsdecode.integrations import transformers as tsdecode_transformers  # noqa: E402
 
@@ -58,16 +62,36 @@ def generate(model, prompts, max_new_tokens: int) -> list[list[int]]:
     return [r.generated_tokens for r in results]
 
 
-def main() -> None:
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", help="a Hugging Face checkpoint (default: a random tiny Llama)")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
     p.add_argument("--no-compare", action="store_true")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, prompts, decode = load(args, device)
+    try:
+        model, prompts, decode = load(args, device)
+    except (OSError, ValueError) as e:  # no such checkpoint, no network, an unknown model type
+        p.error(f"--model {args.model}: cannot load it: {_one_line(e)}")
 
-    tsdecode_transformers.enable(model)  # the one call
+    try:
+        tsdecode_transformers.enable(model)  # the one call
+    except (NotImplementedError, RuntimeError) as e:  # a model or transformers version tsdecode cannot run
+        p.error(f"tsdecode cannot run this model: {_one_line(e)}")
     tokens = generate(model, prompts, args.max_new_tokens)
     tsdecode_transformers.disable(model)
     for prompt, t in zip(prompts, tokens):

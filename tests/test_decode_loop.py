@@ -50,3 +50,22 @@ def test_the_example_fails_a_step_off_the_reference():
     assert decode_loop.failures({"eager": good}) == []
     [line] = decode_loop.failures({"eager": good, "compiled": off})
     assert line.startswith("compiled: max rel err 5.00e-01")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+    (["--max-prompt", "0"], "argument --max-prompt: expected an integer >= 1"),
+    (["--join-rate", "0"], "argument --join-rate: expected a probability in (0, 1]"),
+    (["--head-dim", "100"], "head_dim must be one of"),
+    (["--qo-heads", "3"], "must be a multiple of num_kv_heads"),
+    (["--num-pages", "2"], "--num-pages 2: the loop may hold up to 33 pages at once"),
+    # valid flags, but no request joins in the run: nothing to measure (was: min() of an empty set)
+    (["--steps", "3", "--seed", "5"], "no request joined in 3 steps (seed 5): nothing was measured"),
+])
+def test_bad_arguments_are_one_line(argv, message, capsys):
+    """Bad flags (and a run in which no request joins) exit 2 with one line, not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        decode_loop.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

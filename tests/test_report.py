@@ -467,6 +467,8 @@ def test_a_report_csv_with_a_byte_order_mark_is_read(tmp_path, capsys):
     (["--preset", "smoke", "--device", "tpu"], "--device tpu: expected cuda, cuda:N or cpu"),
     (["--from-csv", "A", "--compare", "A", "B"], "--compare and --from-csv: give one of them"),
     (["--from-csv", "A", "--preset", "smoke"], "--from-csv re-renders existing results: --preset would be ignored"),
+    # past torch.manual_seed's int64: was every shape's setup failing ("Overflow when unpacking long long")
+    (["--preset", "smoke", "--seed", str(2**64)], "argument --seed: expected an integer <= 9223372036854775807"),
 ])
 def test_report_flags_that_cannot_work_exit_2_in_one_line(argv, message, tmp_path, capsys):
     code, err = _report([*argv, "--out", str(tmp_path / "out")], capsys)

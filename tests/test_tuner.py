@@ -1167,6 +1167,7 @@ def test_a_bucket_is_not_complete_while_its_default_waits_in_the_queue(tmp_path)
     (["--replay-ms", "1e308"], "--replay-ms: expected a number <= 60000 (a minute), got '1e308'"),
     (["--trials", "9" * 400], "--trials: expected an integer <= 9223372036854775807, got '999"),
     (["--top-k", "9" * 400], "--top-k: expected an integer <= 9223372036854775807, got '999"),
+    (["--seed", "9" * 400], "--seed: expected an integer <= 9223372036854775807, got '999"),
     (["--compile-workers", "100000"], "--compile-workers: expected an integer <= 256, got '100000'"),
     ([*TINY, "--batch-sizes", "9" * 400], "--batch-sizes, --seq-len-q, --heads and --head-dim: B*SQ*Hq*D = 999"),
     ([*TINY, "--kv-lens", "100000000000"], "--kv-lens must be <= 2147483392, got 100000000000"),

@@ -87,5 +87,7 @@ nonnegative_int = bounded(int, 0, strict=False)
 seconds_up_to_a_week = bounded(float, 0, strict=True, maximum=WEEK_S, unit="a week")
 seconds_up_to_a_year = bounded(float, 0, strict=True, maximum=YEAR_S, unit="a year")
 replay_ms = bounded(float, 0, strict=True, maximum=60_000, unit="a minute")
+# Seeds: int64, what torch.manual_seed takes (a report's inputs; the tuner's sampler hashes its own).
+seed_int = bounded(int, -MAX_INT - 1, strict=False)
 # Compile processes per worker: each is a process (all started at once).
 compile_workers = bounded(int, 0, strict=False, maximum=256)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..arguments import Parser, UsageError, bounded, nonnegative_float, positive_int, replay_ms
+from ..arguments import Parser, UsageError, bounded, nonnegative_float, positive_int, replay_ms, seed_int
 from ..files import atomic_write_text
 from ..grids import add_grid_arguments
 from . import impls as I
@@ -52,7 +52,7 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
                    help="buffer size of the copy-bandwidth test in GiB (default %(default)s)")
     g.add_argument("--budget-s", type=nonnegative_float, default=None, metavar="SECONDS",
                    help="start no new shape after this many seconds (the rest: skipped rows)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default %(default)s)")
+    g.add_argument("--seed", type=seed_int, default=0, help="seed of the random inputs (default %(default)s)")
     g.add_argument("--title", default=None, help="page title")
     g.add_argument("--from-csv", default=None, metavar="RESULTS.csv",
                    help="re-render report.html from an existing results.csv (no benchmarking)")
