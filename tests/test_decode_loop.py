@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import sys
 
 import pytest
@@ -58,7 +59,7 @@ def test_the_example_fails_a_step_off_the_reference():
     (["--join-rate", "0"], "argument --join-rate: expected a probability in (0, 1]"),
     (["--head-dim", "100"], "head_dim must be one of"),
     (["--qo-heads", "3"], "must be a multiple of num_kv_heads"),
-    (["--num-pages", "2"], "--num-pages 2: the loop may hold up to 33 pages at once"),
+    (["--num-pages", "2"], r"--num-pages 2: the loop may hold up to \d+ pages at once"),  # the count: the device's defaults
     # valid flags, but no request joins in the run: nothing to measure (was: min() of an empty set)
     (["--steps", "3", "--seed", "5"], "no request joined in 3 steps (seed 5): nothing was measured"),
 ])
@@ -68,4 +69,5 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
         decode_loop.main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert re.search(message if message.startswith("--num-pages") else re.escape(message), err)
+    assert "Traceback" not in err
