@@ -1007,7 +1007,7 @@ def test_a_shipped_table_parses_and_serves_its_gpu(path, monkeypatch, caplog):
 
 def test_the_shipped_tables_are_found_in_an_installed_wheel(tmp_path):
     """Built as a wheel and installed elsewhere: the packaged tables are found through
-    importlib.resources, not the source tree."""
+    importlib.resources, not the source tree, and the package says it is typed (PEP 561)."""
     src = tmp_path / "src"
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, check=True,
                            capture_output=True, text=True).stdout.split("\n")
@@ -1050,3 +1050,4 @@ def test_the_shipped_tables_are_found_in_an_installed_wheel(tmp_path):
     assert package.startswith(str(site)) and shipped == str(site / "tsdecode" / "tuned_configs")
     assert table_path == str(site / "tsdecode" / "tuned_configs" / "NVIDIA_H100_PCIe.json")
     assert num_warps == "2"
+    assert (site / "tsdecode" / "py.typed").is_file()
