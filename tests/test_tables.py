@@ -15,6 +15,7 @@ entry of its own takes the heuristic (there are no nearest-bucket tests).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -194,6 +195,24 @@ def test_shipped_tables_are_current_for_todays_kernel():
     for path in shipped:
         data = json.loads(path.read_text())
         assert data["kernel_hash"] == tables.kernel_source_hash(), path.name
+
+
+def test_the_shipped_h100_table_holds_some_buckets_and_the_h200s_serves_the_rest():
+    """An H100 SXM plan takes its own shipped table's entry where it has one (fp8 Llama-3 8B
+    buckets), else the H200's (same compute capability and SM count), not the heuristic."""
+    h100 = DeviceProperties("NVIDIA H100 80GB HBM3", 132, (9, 0), 85_017_493_504)
+    fp8 = make_shape(batch_size=128, kv_len=8192, kv_dtype=torch.float8_e4m3fn)
+    own = tables.load_table(SHIPPED / "NVIDIA_H100_80GB_HBM3.json", h100)
+    assert own is not None and not own.stale and not own.skipped
+    held = own.entries[tables.problem_class_key(fp8)]
+    assert (128, 8192) in held and len(held) < 14
+    hit = tables.lookup(fp8, h100, config_dir=SHIPPED)
+    assert hit.table_path == str(SHIPPED / "NVIDIA_H100_80GB_HBM3.json")
+    assert hit.kernel_config == held[(128, 8192)].kernel_config
+    bf16, fp8_elsewhere = make_shape(batch_size=128, kv_len=8192), dataclasses.replace(fp8, batch_size=8)
+    for shape in (bf16, fp8_elsewhere):
+        hit = tables.lookup(shape, h100, config_dir=SHIPPED)
+        assert hit.table_path == str(SHIPPED / "NVIDIA_H200.json"), shape
 
 
 def _set(path: tuple, value):

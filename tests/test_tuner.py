@@ -1620,6 +1620,38 @@ def test_a_new_study_measures_the_tables_current_winner_second(tmp_path):
     assert measured[:2] == [default, previous]
 
 
+@cpu_only
+def test_a_first_tune_measures_the_entry_plans_take_today_second(tmp_path, monkeypatch):
+    """Tuning into a table that lacks the bucket (a GPU's first tune, say an H100 whose plans take
+    the H200's entries): the entry the runtime's table search finds today, here in a table of a
+    device of the same compute capability and SM count in $TSDECODE_CONFIG_DIR, is measured right
+    after the default, so the new table cannot lose what plans got before it for lack of trials."""
+    spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    shape = spec.to_problem_shape()
+    default = heuristic_config(shape, CPU)
+    planned = KernelConfig(block_n=32, block_m=16, num_kv_splits=2, num_warps=2, num_stages=2)
+    assert planned != default and fit_config(planned, shape)[0] == planned
+    twin = DeviceProperties("another cpu", CPU.sm_count, CPU.compute_capability)
+    elsewhere = tmp_path / "elsewhere"
+    entry = TableEntry(planned, 10.0, 1.0, None, default, 11.0, 0.9, tuned_batch_size=1)
+    key, bucket = tables.problem_class_key(shape), tables.bucket_of(1, 40)
+    merge_entries(study.OutputPaths.for_device(twin.name, elsewhere).table, twin, {key: {bucket: entry}}, {})
+    out = tmp_path / "first"
+    (group,) = tuner_buckets.group_buckets([spec])
+    inside = space.SpaceLimits(num_warps=(1, 2, 4), num_stages=(2, 3))
+    table = study.OutputPaths.for_device(CPU.name, out).table
+    assert tuner_buckets.table_winners(table, [group], CPU, inside) == {}  # nothing found: the default alone
+    monkeypatch.setenv(tables.CONFIG_DIR_ENV, str(elsewhere))
+    tables.clear_cache()
+    assert tables.lookup(shape, CPU).kernel_config == planned
+    assert tuner_buckets.table_winners(table, [group], CPU, inside) == {group.key: planned.to_dict()}
+    args = [*TINY, "--trials", "2", "--block-n", "16,32,64", "--block-m", "16", "--num-kv-splits", "1,2,3",
+            "--num-warps", "1,2,4", "--num-stages", "2,3", "--out", str(out), "--isolation", "inline", *FAST]
+    assert main(args) == 0
+    measured = [KernelConfig(**r["config"]) for r in _records(out) if r["measured"]]
+    assert measured[:2] == [default, planned]
+
+
 def test_the_tables_winner_is_seeded_only_when_every_field_lies_in_todays_space(tmp_path):
     spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
     shape = spec.to_problem_shape()

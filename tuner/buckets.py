@@ -1,9 +1,10 @@
 """What the search works on and hands back: buckets (the shapes of one study), the settings of a
-run, a bucket's result and its summary table, and what the device's table already holds for a
-bucket. How a bucket is searched is ``tuner.search``."""
+run, a bucket's result and its summary table, and the config plans take for a bucket today. How a
+bucket is searched is ``tuner.search``."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -251,15 +252,31 @@ def stale_buckets(table_path: Path, buckets: Sequence[Bucket], device: DevicePro
 
 def table_winners(table_path: Path, buckets: Sequence[Bucket], device: DeviceProperties,
                   limits: SpaceLimits) -> dict[str, dict[str, int]]:
-    """Per bucket key, the winner the table already holds (when it lies in today's space): a new
-    study measures it right after the default, so a re-tune cannot lose what the last one found."""
+    """Per bucket key, the config plans take for the bucket today, where it lies in today's space:
+    the winner the table being written holds, else the entry the runtime's own table search finds
+    (another folder's table, or one of a GPU of the same compute capability and SM count). A new
+    study measures it right after the default, so tuning cannot lose what plans already get."""
     table = readable_table(table_path)
     out = {}
     for b in buckets:
         entry = table.entries.get(b.class_key, {}).get(b.bucket) if table else None
-        if entry is None:
+        config = entry.kernel_config if entry is not None else _planned_entry(b, device)
+        if config is None:
             continue
         _, space = bucket_space(b, device, limits)
-        if all(getattr(entry.kernel_config, k) in v for k, v in space.items()):
-            out[b.key] = entry.kernel_config.to_dict()
+        if all(getattr(config, k) in v for k, v in space.items()):
+            out[b.key] = config.to_dict()
     return out
+
+
+def _planned_entry(bucket: Bucket, device: DeviceProperties) -> KernelConfig | None:
+    """The table entry a plan of the bucket's shape takes on ``device`` today, if any. The search's
+    warnings (a missing table, another GPU's) are for plans, not for the tuner, and are not given."""
+    log = logging.getLogger(tables.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        hit = tables.lookup(bucket.shape, device)
+    finally:
+        log.setLevel(level)
+    return hit.kernel_config if hit is not None else None

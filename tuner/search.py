@@ -5,7 +5,8 @@ Shapes of a grid are grouped by ``tables.problem_class_key`` and ``tables.bucket
 ("bucket") gets a study whose objective is the group's time per call (geometric mean over its
 shapes; usually one shape) over the space of ``tuner.space``. The study's first trials are
 queued when it is created (by whichever worker creates it; the others wait for the queue): the
-heuristic default, the table's previous winner, and either the whole space in a seeded order
+heuristic default, what plans take today (the table's previous winner, else another table's
+entry the runtime finds), and either the whole space in a seeded order
 (spaces no larger than the trial budget: a grid) or ``seed_configs`` followed by a seeded
 ``TPESampler`` (constant liar, so concurrent workers spread out).
 
@@ -379,8 +380,8 @@ class Tuner:
 
     storage: the study storage (``study.open_storage``); storage_url names it (for the SQLite
     queue lock). label: this worker in progress lines and trial records ("cuda:3"); it also
-    varies the TPE seed, so workers spread out. previous: per bucket key, the table's winner to
-    measure second in a new study. on_study(bucket, name): told each study name (the job records
+    varies the TPE seed, so workers spread out. previous: per bucket key, the config to measure
+    second in a new study (``buckets.table_winners``: what plans take today). on_study(bucket, name): told each study name (the job records
     them for ``export``). write_csv: rewrite the trials CSV after each bucket.
     """
 
