@@ -418,6 +418,11 @@ def test_device_matching(user_dir, caplog):
     assert "'NVIDIA H100 PCIe'" in msg and "tsdecode-tune --preset llama3-8b" in msg
     assert str(user_dir / "NVIDIA_H100_PCIe.json") in msg
     assert select_config(make_shape(), H100_PCIE).source == "heuristic"
+    # a variant's table that holds no entry for the shape is another GPU's table: no warning (the
+    # H200 NVL's own table, above, serves the H200 only by falling through to it)
+    caplog.clear()
+    assert tables.lookup(make_shape(batch_size=1), H200) is None
+    assert messages(caplog) == []
 
 
 def test_missing_table_warns_once_naming_the_tuner(caplog):

@@ -441,9 +441,11 @@ def _tables_for(origin: str, source: str, explicit: bool, device: DeviceProperti
                       f"capability and SM count)",)
 
 
-def _warn_about(table: Table, notes: tuple[str, ...], device: DeviceProperties) -> None:
+def _warn_about(table: Table, notes: tuple[str, ...], device: DeviceProperties, used: bool) -> None:
     """One warning per table the search reaches, naming all its causes: used for a device variant,
-    stale, entries skipped."""
+    stale, entries skipped; a variant's (another GPU's) only once an entry of it is ``used``."""
+    if notes and not used:
+        return
     causes = notes + table.stale
     if table.skipped:
         n = len(table.skipped)
@@ -473,8 +475,8 @@ def lookup(shape: ProblemShape, device: DeviceProperties, *, config_dir: str | o
             found_any = True
             if table is None:
                 continue
-            _warn_about(table, notes, device)
             entry = table.entries.get(key, {}).get(bucket)
+            _warn_about(table, notes, device, used=entry is not None)
             if entry is not None:
                 if trace is not None:
                     trace.append(f"    {table.path}: {key} bucket {bucket} -> hit")
@@ -488,6 +490,7 @@ def lookup(shape: ProblemShape, device: DeviceProperties, *, config_dir: str | o
     for table, notes in matched if twin else ():
         entry = table.entries.get(twin, {}).get(bucket)
         if entry is not None:
+            _warn_about(table, notes, device, used=True)
             if trace is not None:
                 trace.append(f"    {table.path}: {twin} bucket {bucket} -> hit (the 16-bit twin class)")
             extra = (f"entries of class {twin} (float16 and bfloat16 share kernel and configs)",)
