@@ -381,8 +381,9 @@ class Tuner:
     storage: the study storage (``study.open_storage``); storage_url names it (for the SQLite
     queue lock). label: this worker in progress lines and trial records ("cuda:3"); it also
     varies the TPE seed, so workers spread out. previous: per bucket key, the config to measure
-    second in a new study (``buckets.table_winners``: what plans take today). on_study(bucket, name): told each study name (the job records
-    them for ``export``). write_csv: rewrite the trials CSV after each bucket.
+    second in a new study (``buckets.table_winners``: what plans take today). on_study(bucket,
+    name): told each study name (the job records them for ``export``). write_csv: rewrite the
+    trials CSV after each bucket.
     """
 
     def __init__(self, settings: TuneSettings, client, *, device: DeviceProperties,
