@@ -198,8 +198,8 @@ def test_shipped_tables_are_current_for_todays_kernel():
 
 
 def test_the_shipped_h100_table_holds_some_buckets_and_the_h200s_serves_the_rest():
-    """An H100 SXM plan takes its own shipped table's entry where it has one (fp8 Llama-3 8B
-    buckets), else the H200's (same compute capability and SM count), not the heuristic."""
+    """An H100 SXM plan takes its own shipped table's entry where it has one (a few buckets), else
+    the H200's (same compute capability and SM count), not the heuristic."""
     h100 = DeviceProperties("NVIDIA H100 80GB HBM3", 132, (9, 0), 85_017_493_504)
     fp8 = make_shape(batch_size=128, kv_len=8192, kv_dtype=torch.float8_e4m3fn)
     own = tables.load_table(SHIPPED / "NVIDIA_H100_80GB_HBM3.json", h100)
