@@ -209,11 +209,15 @@ def test_a_worker_that_dies_is_reported_its_trial_retried_and_the_run_goes_on(on
     storage = study.open_storage(str(next(out.glob("*_study.journal"))))
     assert _check_trials(storage, killed=True) == one_worker["trials"]
     assert _winners(out / "cpu_Triton_interpreter.json") == one_worker["winners"]
-    (failed,) = [t for s in _bucket_studies(storage) for t in s.trials if t.state.name == "FAIL"]
-    assert failed.user_attrs["worker"]["pid"] == pid and failed.user_attrs["interrupted"]
-    (retry,) = [t for s in _bucket_studies(storage) for t in s.trials if t.user_attrs.get("retry_of") == failed.number
-                and t.user_attrs["key"] == failed.user_attrs["key"]]
-    assert retry.state.name == "COMPLETE" and retry.params == failed.params
+    # the dead worker's trials: the one it planned when it died, and any others it held by then
+    # (it takes the next trials while the first compiles): each failed, each queued again and done
+    for s in _bucket_studies(storage):
+        for failed in [t for t in s.trials if t.state.name == "FAIL"]:
+            assert failed.user_attrs["worker"]["pid"] == pid and failed.user_attrs["interrupted"]
+            (retry,) = [t for t in s.trials if t.user_attrs.get("retry_of") == failed.number
+                        and t.user_attrs["key"] == failed.user_attrs["key"]]
+            assert retry.state.name == "COMPLETE" and retry.params == failed.params
+    assert any(t.state.name == "FAIL" for s in _bucket_studies(storage) for t in s.trials)
 
 
 def _children() -> dict[int, list[int]]:

@@ -255,7 +255,8 @@ def table_winners(table_path: Path, buckets: Sequence[Bucket], device: DevicePro
     """Per bucket key, the config plans take for the bucket today, where it lies in today's space:
     the winner the table being written holds, else the entry the runtime's own table search finds
     (another folder's table, or one of a GPU of the same compute capability and SM count). A new
-    study measures it right after the default, so tuning cannot lose what plans already get."""
+    study queues it among its first trials (right after the default, unless its seeds hold it), so
+    tuning does not lose what plans already get for lack of trials."""
     table = readable_table(table_path)
     out = {}
     for b in buckets:
