@@ -119,6 +119,15 @@ def slower_default_hook(stage, spec, config, out=None):
         return 300.0 if config == _fitted_default(spec) else 200.0
 
 
+PLANNED = KernelConfig(block_n=32, block_m=16, num_kv_splits=2, num_warps=2, num_stages=2)
+
+
+def planned_in_the_middle_hook(stage, spec, config, out=None):
+    """The heuristic default times 300 us, PLANNED 250 us, every other config 200 us."""
+    if stage == "time":
+        return 300.0 if config == _fitted_default(spec) else 250.0 if config == PLANNED else 200.0
+
+
 # ---- helpers --------------------------------------------------------------------------------
 
 
@@ -1650,6 +1659,31 @@ def test_a_first_tune_measures_the_entry_plans_take_today_second(tmp_path, monke
     assert main(args) == 0
     measured = [KernelConfig(**r["config"]) for r in _records(out) if r["measured"]]
     assert measured[:2] == [default, planned]
+
+
+@cpu_only
+def test_what_plans_take_today_is_a_finalist_where_the_search_measured_it(tmp_path):
+    """The table's current winner, measured in the search but slower there than the --top-k best,
+    is re-timed with them and the default: a new winner beats it in the same interleaved rounds,
+    not only in one short timing."""
+    spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    shape = spec.to_problem_shape()
+    default = heuristic_config(shape, CPU)
+    assert PLANNED != default and fit_config(PLANNED, shape)[0] == PLANNED
+    out = tmp_path / "warm"
+    entry = TableEntry(PLANNED, 10.0, 1.0, None, default, 11.0, 0.9, tuned_batch_size=1)
+    merge_entries(study.OutputPaths.for_device(CPU.name, out).table, CPU,
+                  {tables.problem_class_key(shape): {tables.bucket_of(1, 40): entry}}, {})
+    args = [*TINY, "--trials", "3", "--block-n", "16,32,64", "--block-m", "16", "--num-kv-splits", "1,2,3",
+            "--num-warps", "1,2,4", "--num-stages", "2,3", "--out", str(out), "--isolation", "inline", *FAST,
+            "--inject-hook", f"{HOOKS}:planned_in_the_middle_hook"]
+    assert main(args) == 0
+    measured = [KernelConfig(**r["config"]) for r in _records(out) if r["measured"]]
+    assert measured[:2] == [default, PLANNED] and len(measured) == 3
+    retimed = {KernelConfig(**r["config"]) for r in _records(out, "retime")}
+    assert retimed == set(measured)  # the default, the best (--top-k 1) and the table's winner
+    (final,) = _records(out, "final")
+    assert KernelConfig(**final["winner"]) == measured[2] and final["time_us"] == pytest.approx(200.0)
 
 
 def test_the_tables_winner_is_seeded_only_when_every_field_lies_in_todays_space(tmp_path):

@@ -79,11 +79,12 @@ class TuneSettings:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "limits": self.limits.to_dict()}
 
-    def retime_reserve_s(self) -> float:
+    def retime_reserve_s(self, finalists: int | None = None) -> float:
         """Seconds a bucket keeps back from its --time-budget share to re-time its finalists
-        against the default: the search stops this long before the share ends."""
+        (``finalists``, else --top-k) against the default: the search stops this long before the
+        share ends."""
         per = self.replay_ms / 1000.0 + 0.1 if self.timing == "cuda-graph" else 0.5
-        return (self.top_k + 1) * (self.retime_rounds * per + 0.5)
+        return ((self.top_k if finalists is None else finalists) + 1) * (self.retime_rounds * per + 0.5)
 
     def budget_warning(self, num_buckets: int) -> str | None:
         """A warning when --time-budget leaves a bucket less time to search than to re-time its

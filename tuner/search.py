@@ -19,8 +19,8 @@ and two workers sampling the same fitted config within that moment both measure 
 counts it once). ``--trials`` counts measured configs.
 
 A bucket whose trials are all finished (the budget, the grid or its time share used up) is
-finalised by the worker that finds it so, on its own GPU of the job's model: the best few are
-re-timed, interleaved with the default, and a winner is kept only if it beats the default by
+finalised by the worker that finds it so, on its own GPU of the job's model: the best few (and
+what plans take today, where measured) are re-timed, interleaved with the default, and a winner is kept only if it beats the default by
 more than the measured noise; the result is the study's "final" attribute, from which the table
 is written (``tuner.job.export``). Two workers finalising the same bucket at once both write a
 valid final; the last one stays.
@@ -692,7 +692,8 @@ class Tuner:
                        initial=min(done_before, s.trials))
         pending: list[_Pending] = []
         held: list[_Held] = []
-        stop_at = None if deadline is None else deadline - self.s.retime_reserve_s()
+        finalists = s.top_k + (bucket.key in self.previous)  # what plans take today is one more
+        stop_at = None if deadline is None else deadline - s.retime_reserve_s(finalists)
         max_told = 4 * s.trials + 20  # duplicates after fitting can make trials cheap but endless
         dup_streak = 0
         asking, out_of_time = True, False
@@ -969,6 +970,14 @@ class Tuner:
             return BucketResult(**base, ok=False, note=note)
         default_ok = d_out is not None and d_out.state == "COMPLETE"
         top = [o for o in complete if o.key != default_key][: self.s.top_k]
+        # What plans take today (``previous``), where the search measured it, is a finalist too:
+        # a winner then beats it in the same interleaved rounds, not only in one short timing.
+        previous = self.previous.get(bucket.key)
+        if previous is not None:
+            p_out = cache.get(config_text(fit_config(KernelConfig(**previous), bucket.shape)[0]))
+            if p_out is not None and p_out.state == "COMPLETE" and p_out.key not in {default_key,
+                                                                                     *(o.key for o in top)}:
+                top.append(p_out)
         configs = ([default] if default_ok else []) + [o.config for o in top]
         times, nbytes, note, rounds = self._retime(bucket, configs, ([d_out] if default_ok else []) + top)
         for config, t in times.items():
