@@ -20,9 +20,9 @@ counts it once). ``--trials`` counts measured configs.
 
 A bucket whose trials are all finished (the budget, the grid or its time share used up) is
 finalised by the worker that finds it so, on its own GPU of the job's model: the best few (and
-what plans take today, where measured) are re-timed, interleaved with the default, and a winner is kept only if it beats the default by
-more than the measured noise; the result is the study's "final" attribute, from which the table
-is written (``tuner.job.export``). Two workers finalising the same bucket at once both write a
+what plans take today, where measured) are re-timed, interleaved with the default, and a winner
+is kept only if it beats the default by more than the measured noise; the result is the study's
+"final" attribute, from which the table is written (``tuner.job.export``). Two workers finalising the same bucket at once both write a
 valid final; the last one stays.
 
 Crash safety: finished trials are logged (``tuner.study.ResultLog``) before they are told to the
@@ -380,8 +380,8 @@ class Tuner:
 
     storage: the study storage (``study.open_storage``); storage_url names it (for the SQLite
     queue lock). label: this worker in progress lines and trial records ("cuda:3"); it also
-    varies the TPE seed, so workers spread out. previous: per bucket key, the config to measure
-    second in a new study (``buckets.table_winners``: what plans take today). on_study(bucket,
+    varies the TPE seed, so workers spread out. previous: per bucket key, what plans take today
+    (``buckets.table_winners``): among a new study's first trials, and a finalist once measured. on_study(bucket,
     name): told each study name (the job records them for ``export``). write_csv: rewrite the
     trials CSV after each bucket.
     """
