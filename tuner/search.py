@@ -22,8 +22,8 @@ A bucket whose trials are all finished (the budget, the grid or its time share u
 finalised by the worker that finds it so, on its own GPU of the job's model: the best few (and
 what plans take today, where measured) are re-timed, interleaved with the default, and a winner
 is kept only if it beats the default by more than the measured noise; the result is the study's
-"final" attribute, from which the table is written (``tuner.job.export``). Two workers finalising the same bucket at once both write a
-valid final; the last one stays.
+"final" attribute, from which the table is written (``tuner.job.export``). Two workers finalising
+the same bucket at once both write a valid final; the last one stays.
 
 Crash safety: finished trials are logged (``tuner.study.ResultLog``) before they are told to the
 study; a RUNNING trial whose worker died (a dead process of this host, or an RDB heartbeat older
