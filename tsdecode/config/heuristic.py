@@ -26,15 +26,16 @@ import dataclasses
 from ..device import DeviceProperties
 from .family import Occupancy, occupancy, tile_family
 from .programs import fit_programs_to_sms
-from .space import KernelConfig, ProblemShape, fit_config
+from .space import KernelConfig, ProblemShape, clamp_config
 from .splits import num_kv_splits
 
 
 def heuristic_config(shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
-    """The model's config for ``shape`` on ``device``, fitted to the shape."""
+    """The model's config for ``shape`` on ``device``, clamped to the shape (``select_config``
+    scales its splits to ragged lengths, then fits it)."""
     occ = occupancy(shape, device)
     config = dataclasses.replace(occ.config, num_kv_splits=num_kv_splits(shape, occ, device))
-    return fit_config(fit_programs_to_sms(config, shape, occ.family, device), shape)[0]
+    return clamp_config(fit_programs_to_sms(config, shape, occ.family, device), shape)[0]
 
 
 __all__ = ["Occupancy", "tile_family", "occupancy", "num_kv_splits", "heuristic_config"]

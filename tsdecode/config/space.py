@@ -1,5 +1,6 @@
 """The config space: ``KernelConfig`` (what may be tuned), ``ProblemShape`` (what selection may
-look at) and ``fit_config`` (any config made valid for a shape, with the reasons).
+look at), ``clamp_config`` (any config made valid for a shape) and ``fit_config`` (the config that
+runs: clamped, without splits that would get no tile), each with the reasons.
 
 Every config that passes ``KernelConfig.validate`` computes the same answer (up to
 floating-point reassociation); the tuner searches exactly these sets.
@@ -168,11 +169,28 @@ def merge_block_d(merge_rows: int, block_d: int, sm_count: int) -> int:
 
 
 def fit_config(config: KernelConfig, shape: ProblemShape) -> tuple[KernelConfig, tuple[str, ...]]:
+    """Return the config that runs for ``shape``: ``clamp_config``'s, with num_kv_splits no more
+    than the longest request's chains of tiles fill (a request's visible tiles are split
+    ceil(tiles / splits) at a time, so more splits would only add programs that get no tile of it
+    and partials to merge), and what was changed and why."""
+    config, changes = clamp_config(config, shape)
+    tiles = shape.max_visible_tiles(config.block_n)
+    chain = -(-tiles // config.num_kv_splits)
+    filled = -(-tiles // chain)
+    if filled == config.num_kv_splits:
+        return config, changes
+    note = (f"num_kv_splits {config.num_kv_splits} -> {filled}: the longest request's {tiles} tiles "
+            f"of {config.block_n}, split {chain} at a time, fill only {filled} splits")
+    return dataclasses.replace(config, num_kv_splits=filled), (*changes, note)
+
+
+def clamp_config(config: KernelConfig, shape: ProblemShape) -> tuple[KernelConfig, tuple[str, ...]]:
     """Return a config valid for ``shape`` close to ``config``, and what was changed and why.
 
     block_m no larger than the padded row count needs; the FMA path's tile within
     FMA_MAX_TILE_ELEMENTS; num_kv_splits no more than the tiles a program can walk (more splits
-    would only add empty programs).
+    would only add empty programs). The model's own picks are clamped, not fitted: ragged lengths
+    scale their splits first (``select.scale_splits_to_raggedness``).
     """
     config.validate()
     changes: list[str] = []
