@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 from tsdecode import KernelConfig
 from tsdecode.config import tables
 from tsdecode.config.heuristic import heuristic_config
-from tsdecode.config.space import ProblemShape
+from tsdecode.config.space import ProblemShape, fit_config
 from tsdecode.device import DeviceProperties
 
 from .grids import ShapeSpec
@@ -233,9 +233,15 @@ def summary_table(results: Sequence[BucketResult]) -> str:
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
 
 
+def model_default(shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """What a plan of ``shape`` (equal lengths) runs where no table has an entry: the heuristic's
+    config, fitted."""
+    return fit_config(heuristic_config(shape, device), shape)[0]
+
+
 def bucket_space(bucket: Bucket, device: DeviceProperties, limits: SpaceLimits):
     """(heuristic default, search space) of ``bucket`` on ``device``."""
-    default = heuristic_config(bucket.shape, device)
+    default = model_default(bucket.shape, device)
     return default, build_space(bucket.shape, device.sm_count, limits, default)
 
 
@@ -248,7 +254,7 @@ def stale_buckets(table_path: Path, buckets: Sequence[Bucket], device: DevicePro
     if table is None or table.stale:
         return list(buckets)
     return [b for b in buckets if (entry := table.entries.get(b.class_key, {}).get(b.bucket)) is None
-            or entry.default_config != heuristic_config(b.shape, device)]
+            or entry.default_config != model_default(b.shape, device)]
 
 
 def table_winners(table_path: Path, buckets: Sequence[Bucket], device: DeviceProperties,
