@@ -97,7 +97,7 @@ def broken_configs_hook(stage, spec, config, out=None):
 
 def slow_compile_hook(stage, spec, config, out=None):
     """Every config but the heuristic default compiles for 60 s."""
-    if stage == "compile" and config != heuristic_config(spec.to_problem_shape(), device_properties("cpu")):
+    if stage == "compile" and config != _fitted_default(spec):
         time.sleep(60)
 
 
@@ -126,6 +126,13 @@ def planned_in_the_middle_hook(stage, spec, config, out=None):
     """The heuristic default times 300 us, PLANNED 250 us, every other config 200 us."""
     if stage == "time":
         return 300.0 if config == _fitted_default(spec) else 250.0 if config == PLANNED else 200.0
+
+
+def planned_faster_the_rest_slow_to_compile_hook(stage, spec, config, out=None):
+    """The heuristic default times 300 us, PLANNED 250 us; every other config compiles for 60 s."""
+    if stage == "compile" and config not in (_fitted_default(spec), PLANNED):
+        time.sleep(60)
+    return planned_in_the_middle_hook(stage, spec, config, out)
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -1122,8 +1129,9 @@ def test_a_config_that_ran_past_the_trial_timeout_is_measured_again_under_a_larg
 
 
 def test_a_bucket_is_not_complete_while_its_default_waits_in_the_queue(tmp_path):
-    """Another worker can fill the budget before a dead worker's default is queued again: the
-    bucket then waits for the default's measurement instead of being finalised without it."""
+    """Another worker can fill the budget before a dead worker's default (or the config plans
+    take today: both are kept) is queued again: the bucket then waits for its measurement
+    instead of being finalised without it."""
     tuner = _bare_tuner(tmp_path)
     tuner.s = tuner_buckets.TuneSettings(trials=1)
     try:
@@ -1135,8 +1143,9 @@ def test_a_bucket_is_not_complete_while_its_default_waits_in_the_queue(tmp_path)
             other.set_user_attr(k, v)
         s.tell(other, 10.0)  # the budget of 1 measured config is used up
         s.enqueue_trial(KernelConfig().to_dict(), user_attrs={"key": "default", "retry_of": 0})
-        assert not tuner._complete(s, False, "default")
-        assert tuner._complete(s, False, "other")  # its default measured: complete
+        assert not tuner._complete(s, False, ("default",))
+        assert not tuner._complete(s, False, ("other", "default"))  # what plans take today waits
+        assert tuner._complete(s, False, ("other",))  # its default measured: complete
     finally:
         tuner.close()
 
@@ -1684,6 +1693,34 @@ def test_what_plans_take_today_is_a_finalist_where_the_search_measured_it(tmp_pa
     assert retimed == set(measured)  # the default, the best (--top-k 1) and the table's winner
     (final,) = _records(out, "final")
     assert KernelConfig(**final["winner"]) == measured[2] and final["time_us"] == pytest.approx(200.0)
+
+
+@cpu_only
+def test_a_budget_that_stops_the_search_still_measures_what_plans_take_today(tmp_path):
+    """A time budget used up before the search starts (every config but the default and the
+    table's winner compiles for 60 s): the default and what plans take today are both measured
+    whatever the budget says, and the faster one is written, so the tune cannot replace today's
+    entry with a slower default for lack of trials."""
+    spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
+    shape = spec.to_problem_shape()
+    default = _fitted_default(spec)
+    assert PLANNED != default and fit_config(PLANNED, shape)[0] == PLANNED
+    out = tmp_path / "short"
+    entry = TableEntry(PLANNED, 10.0, 1.0, None, default, 11.0, 0.9, tuned_batch_size=1)
+    merge_entries(study.OutputPaths.for_device(CPU.name, out).table, CPU,
+                  {tables.problem_class_key(shape): {tables.bucket_of(1, 40): entry}}, {})
+    t0 = time.monotonic()
+    args = [*TINY, "--trials", "6", "--time-budget", "1", "--compile-workers", "2", "--block-n", "16,32,64",
+            "--block-m", "16", "--num-kv-splits", "1,2,3", "--num-warps", "1,2,4", "--num-stages", "2,3",
+            "--out", str(out), "--isolation", "inline", *FAST,
+            "--inject-hook", f"{HOOKS}:planned_faster_the_rest_slow_to_compile_hook"]
+    assert main(args) == 0
+    assert time.monotonic() - t0 < 50  # not waiting for the 60 s compiles
+    measured = [KernelConfig(**r["config"]) for r in _records(out) if r["measured"]]
+    assert sorted(measured, key=str) == sorted([default, PLANNED], key=str)
+    (final,) = _records(out, "final")
+    assert final["cut_short"] and KernelConfig(**final["winner"]) == PLANNED
+    assert final["time_us"] == pytest.approx(250.0) and final["default_time_us"] == pytest.approx(300.0)
 
 
 def test_the_tables_winner_is_seeded_only_when_every_field_lies_in_todays_space(tmp_path):

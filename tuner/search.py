@@ -18,6 +18,10 @@ so this is exact for grids; a TPE trial gets its fitted config a moment after it
 and two workers sampling the same fitted config within that moment both measure it (the budget
 counts it once). ``--trials`` counts measured configs.
 
+The default and what plans take today are measured whatever the time budget says (the kept
+configs: taken first, never dropped from the queue or the compile pool), so a bucket the budget
+stops after its first trials still times both.
+
 A bucket whose trials are all finished (the budget, the grid or its time share used up) is
 finalised by the worker that finds it so, on its own GPU of the job's model: the best few (and
 what plans take today, where measured) are re-timed, interleaved with the default, and a winner
@@ -495,6 +499,7 @@ class Tuner:
         self._recover(study, name)
         self._queue_timed_out(study)
         default_key = config_text(default)
+        kept = self._kept_keys(bucket, default)
         trials = study.get_trials(deepcopy=False)
         if _leader(trials, default_key) is None:  # e.g. its trial failed with no retries left
             fitted, changes = fit_config(default, shape)
@@ -504,11 +509,11 @@ class Tuner:
             self.echo(f"  study {name.rsplit('|', 1)[-1]}: space {size} configs ({'grid' if use_grid else 'TPE'}), "
                       f"{measured} measured before; default {config_text(default)}")
         try:
-            self._search(study, bucket, name, shape, space, use_grid, default_key, deadline)
+            self._search(study, bucket, name, shape, space, use_grid, kept, deadline)
         except CandidateFailed as e:  # the inputs could not be prepared
             self.echo(f"  cannot prepare inputs: {e.reason}")
             return BucketResult(bucket, name, False, default=default, note=e.reason)
-        if not self._complete(study, use_grid, default_key):
+        if not self._complete(study, use_grid, kept):
             return BucketResult(bucket, name, False, default=default, pending=True)
         final = final_of(study.user_attrs, s.trials)
         if final and final != earlier:  # another worker finalised it meanwhile
@@ -622,16 +627,16 @@ class Tuner:
                 attrs = {k: t.user_attrs[k] for k in ("key", "config", "adjustments") if k in t.user_attrs}
                 study.enqueue_trial(trial_params(t), user_attrs={**attrs, "timeout_retry_of": t.number})
 
-    def _complete(self, study: optuna.Study, use_grid: bool, default_key: str) -> bool:
+    def _complete(self, study: optuna.Study, use_grid: bool, kept: tuple[str, ...]) -> bool:
         """Every trial finished and nothing more to search: the grid's queue is empty, the
         budget of measured configs is reached, or a worker closed the search (time share,
-        endless duplicates); and the default measured (its trial queued again after an
-        interrupt waits behind the seeds, but the winner is timed against it)."""
+        endless duplicates); and the kept configs measured (the default's trial queued again
+        after an interrupt waits behind the seeds, but the winner is timed against it)."""
         trials = study.get_trials(deepcopy=False)
         # A TPE study's queue may hold seeds past the budget: they wait for a larger --trials.
         if any(t.state == TrialState.RUNNING or (use_grid and t.state == TrialState.WAITING) for t in trials):
             return False
-        if not self._default_started(trials, default_key):
+        if not self._kept_started(trials, kept):
             return False
         ua = study.user_attrs
         if "seeded" not in ua:
@@ -653,15 +658,16 @@ class Tuner:
 
     # -- the search ---------------------------------------------------------------------------
 
-    def _take(self, study: optuna.Study, dists, use_grid: bool, default_key: str) -> optuna.Trial | None:
-        """The next trial for this worker: the default's if it is queued (one queued again after
-        an interrupt waits behind the seeds, which may use up the budget), else a config queued
-        again after a timeout (likewise), else a queued one, else (TPE) a new sample; None when a
-        grid's queue is empty."""
+    def _take(self, study: optuna.Study, dists, use_grid: bool, kept: tuple[str, ...]) -> optuna.Trial | None:
+        """The next trial for this worker: a kept config's if it is queued (the default first; one
+        queued again after an interrupt waits behind the seeds, which may use up the budget), else
+        a config queued again after a timeout (likewise), else a queued one, else (TPE) a new
+        sample; None when a grid's queue is empty."""
         with queue_lock(self.storage_url):
             trials = study.get_trials(deepcopy=False)
-            leader = _leader(trials, default_key)
-            first = leader.number if leader is not None and leader.state == TrialState.WAITING else None
+            waiting = [t for t in (_leader(trials, key) for key in kept)
+                       if t is not None and t.state == TrialState.WAITING]
+            first = waiting[0].number if waiting else None
             if first is None:
                 first = next((t.number for t in trials if t.state == TrialState.WAITING
                               and t.user_attrs.get("timeout_retry_of") is not None), None)
@@ -679,11 +685,12 @@ class Tuner:
         return trial
 
     def _search(self, study, bucket: Bucket, name: str, shape: ProblemShape, space, use_grid: bool,
-                default_key: str, deadline: float | None) -> None:
+                kept: tuple[str, ...], deadline: float | None) -> None:
         """Take, compile (in the pool) and measure trials until the budget of measured configs,
-        the grid, or the time is used up; wait for other workers' trials whose results this
-        worker's duplicates need."""
+        the grid, or the time is used up (the kept configs are measured whatever it says); wait
+        for other workers' trials whose results this worker's duplicates need."""
         s = self.s
+        default_key = kept[0]
         dists = {k: CategoricalDistribution(list(v)) for k, v in space.items()}
         trials = study.get_trials(deepcopy=False)
         done_before = len(measured_trials(trials))
@@ -702,14 +709,14 @@ class Tuner:
             while True:
                 trials = study.get_trials(deepcopy=False)
                 if stop_at is not None and not out_of_time and time.time() >= stop_at \
-                        and self._default_started(trials, default_key):
+                        and self._kept_started(trials, kept):
                     asking, out_of_time = False, True
                     self._close(study, TIME_BUDGET_USED_UP)
-                    self._drop_queue(study, default_key)
+                    self._drop_queue(study, kept)
                 while asking and len(pending) < max(1, s.lookahead):
-                    # The budget: configs measured or being measured, by any worker; the default is
-                    # measured whatever it says (taken first, also when queued again).
-                    if not use_grid and self._default_started(trials, default_key):
+                    # The budget: configs measured or being measured, by any worker; the kept configs
+                    # are measured whatever it says (taken first, also when queued again).
+                    if not use_grid and self._kept_started(trials, kept):
                         claimed = {t.user_attrs.get("key") for t in measured_trials(trials)} | {
                             t.user_attrs.get("key") for t in trials if t.state == TrialState.RUNNING}
                         claimed.discard(None)
@@ -721,7 +728,7 @@ class Tuner:
                             asking = False
                             self._close(study, "too many duplicates after fitting")
                             break
-                    trial = self._take(study, dists, use_grid, default_key)
+                    trial = self._take(study, dists, use_grid, kept)
                     if trial is None:
                         asking = False
                         break
@@ -747,9 +754,9 @@ class Tuner:
                     else:
                         (mine.followers if mine is not None else held).append(h)
                 if held:
-                    self._resolve_held(study, bucket, name, held, pending, trials, out_of_time, default_key)
+                    self._resolve_held(study, bucket, name, held, pending, trials, out_of_time, kept)
                 if out_of_time:  # drop candidates still compiling past the time share (told FAIL)
-                    self._drop_compiling(study, pending, default_key)
+                    self._drop_compiling(study, pending, kept)
                 if not pending:
                     if not held:
                         break
@@ -790,12 +797,21 @@ class Tuner:
             for h in held + pending + [f for p in pending for f in p.followers]:
                 self._release(study, h.trial, "interrupted")
 
+    def _kept_keys(self, bucket: Bucket, default: KernelConfig) -> tuple[str, ...]:
+        """The fitted configs a bucket always measures, even out of time: the default, and what
+        plans take today (``previous``), so that a search the budget stops after one trial still
+        times both and cannot write a config slower than plans already had."""
+        keys = [config_text(default)]
+        previous = self.previous.get(bucket.key)
+        if previous is not None:
+            keys.append(config_text(fit_config(KernelConfig(**previous), bucket.shape)[0]))
+        return tuple(dict.fromkeys(keys))
+
     @staticmethod
-    def _default_started(trials, default_key: str) -> bool:
-        """The default's measurement has been taken by a worker (it is always measured, even
-        out of time)."""
-        leader = _leader(trials, default_key)
-        return leader is None or leader.state != TrialState.WAITING
+    def _kept_started(trials, kept: tuple[str, ...]) -> bool:
+        """Each kept config's measurement has been taken by a worker (or it has no live trial)."""
+        return all((leader := _leader(trials, key)) is None or leader.state != TrialState.WAITING
+                   for key in kept)
 
     def _cut_short(self, study: optuna.Study, final: dict[str, Any]) -> bool:
         """Whether ``final`` was written after the time budget stopped the search short of
@@ -809,15 +825,15 @@ class Tuner:
         if not study.user_attrs.get("closed"):
             study.set_user_attr("closed", why)
 
-    def _drop_queue(self, study: optuna.Study, default_key: str) -> None:
-        """Out of time: fail the study's queued trials (the one that measures the default
-        excepted, not its duplicates: nobody takes those, and a grid would wait for them
+    def _drop_queue(self, study: optuna.Study, kept: tuple[str, ...]) -> None:
+        """Out of time: fail the study's queued trials (those that measure the kept configs
+        excepted, not their duplicates: nobody takes those, and a grid would wait for them
         forever), so that the bucket can finish."""
         with queue_lock(self.storage_url):
             trials = study.get_trials(deepcopy=False)
-            leader = _leader(trials, default_key)
+            leaders = {t.number for t in (_leader(trials, key) for key in kept) if t is not None}
             for t in trials:
-                if t.state != TrialState.WAITING or (leader is not None and t.number == leader.number):
+                if t.state != TrialState.WAITING or t.number in leaders:
                     continue
                 try:
                     if study._storage.set_trial_state_values(t._trial_id, state=TrialState.RUNNING):
@@ -826,8 +842,8 @@ class Tuner:
                 except optuna.exceptions.UpdateFinishedTrialError:
                     continue
 
-    def _drop_compiling(self, study, pending: list[_Pending], default_key: str) -> None:
-        for q in [q for q in pending if q.future is not None and not q.future.done() and q.key != default_key]:
+    def _drop_compiling(self, study, pending: list[_Pending], kept: tuple[str, ...]) -> None:
+        for q in [q for q in pending if q.future is not None and not q.future.done() and q.key not in kept]:
             q.future.cancel()
             pending.remove(q)
             for t in [q.trial] + [f.trial for f in q.followers]:
@@ -836,14 +852,14 @@ class Tuner:
                 self.beats.discard(t._trial_id)
 
     def _resolve_held(self, study, bucket: Bucket, name: str, held: list[_Held], pending: list[_Pending],
-                      trials, out_of_time: bool, default_key: str) -> None:
+                      trials, out_of_time: bool, kept: tuple[str, ...]) -> None:
         """Record held trials whose leader has a result as its duplicates; a held trial that
         became the leader (the previous one failed) is measured here, or dropped out of time."""
         for h in list(held):
             leader = _leader(trials, h.key)
             if leader is None or leader.number == h.trial.number:
                 held.remove(h)
-                if out_of_time and h.key != default_key:
+                if out_of_time and h.key not in kept:
                     h.trial.set_user_attr("skipped", "time budget used up")
                     study.tell(h.trial, state=TrialState.FAIL, skip_if_finished=True)
                     self.beats.discard(h.trial._trial_id)
