@@ -10,9 +10,12 @@ SM of it, and how many programs an SM needs to keep its loads in flight.
      and the larger tile barely pads the mean request, while it fits an SM) as long as the
      programs of it that fit an SM keep less than the loads in flight of step 2 and the doubled
      tile's keep more (``_fill_loads_in_flight``);
-   - "short": four-warp programs of one short tile each where the whole problem has too few tiles
-     to occupy the GPU with the family's programs and one wave holds them (32-token tiles; a whole
-     request's where the family is lean and one tile of at most WIDE_MAX_TILE_ELEMENTS holds it).
+   - "short": programs of one short tile each where the whole problem has too few tiles to
+     occupy the GPU with the family's programs and one wave holds them (four-warp 32-token tiles;
+     a whole request's where a lean program's rows hold a KV head's and one tile of at most
+     SHORT_WHOLE_TILE_BYTES of K holds the request, four warps for each WIDE_MAX_TILE_ELEMENTS of
+     it); lean requests of more than SHORT_WHOLE_MIN_TOKENS whose whole-request tiles keep every
+     K/V byte of the problem in flight within IN_FLIGHT_BYTES_PER_SM an SM take those too.
 2. Residency and target (``occupancy``): the programs of the family that fit an SM (measured
    registers and shared memory against this GPU's), the K/V bytes each keeps in flight (a
    pipeline of S stages: S - 1 tiles loading, each about half the time), and the target programs
@@ -71,13 +74,23 @@ LARGE_WIDE_TILE_MAX_PADDING = 1 / 16
 # scheduler) whatever bytes each keeps in flight.
 FP8_MIN_WARPS_PER_SM = 8
 # "short": at most this many visible tokens, and fewer lean tiles (SHORT_BLOCK_N-token ones where
-# the family is wide) in the whole problem than SHORT_TILES_PER_SM per SM. A program takes a whole
-# request in one SHORT_WHOLE_BLOCK_N-token tile where that holds it and stays within
-# WIDE_MAX_TILE_ELEMENTS (a four-warp program holds its tile in registers).
+# the family is wide) in the whole problem than SHORT_TILES_PER_SM per SM. A program of no more
+# rows than a lean one's (on any pages) takes a whole request in one SHORT_WHOLE_BLOCK_N-token tile
+# where that holds it and its K tile is at most SHORT_WHOLE_TILE_BYTES (a 16-bit 128 x 128 tile's):
+# the bytes, not the elements, set what one program's loads cost, so an fp8 D = 256 request's tile
+# qualifies and a 16-bit one's (64 KiB) does not. Four warps hold WIDE_MAX_TILE_ELEMENTS of it in
+# registers: a larger tile takes four more warps for each such share (eight for the fp8 128 x 256
+# tile, which step 4 then loads straight to registers).
 SHORT_MAX_TOKENS = 512
 SHORT_TILES_PER_SM = 2
 SHORT_BLOCK_N = 32
 SHORT_WHOLE_BLOCK_N = 128
+SHORT_WHOLE_TILE_BYTES = 32 * 1024
+# Lean requests too many for the short family take its whole-request tiles too where those
+# programs keep every K/V byte of the problem in flight at once within IN_FLIGHT_BYTES_PER_SM an
+# SM (one round trip loads it all), for requests of more than this many tokens: a shorter request
+# leaves more than half of the tile's registers and products idle.
+SHORT_WHOLE_MIN_TOKENS = SHORT_WHOLE_BLOCK_N // 2
 
 
 @dataclass(frozen=True)
@@ -101,11 +114,16 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
     kv_bytes, block_d = shape.kv_dtype.itemsize, shape.block_d
     page = shape.page_size
     if block_d > LEAN_MAX_HEAD_DIM:
-        lean = shape.rows_per_kv_head <= LEAN_WIDE_HEAD_MAX_ROWS and page % LEAN_WIDE_HEAD_TOKENS == 0
+        lean_rows = shape.rows_per_kv_head <= LEAN_WIDE_HEAD_MAX_ROWS
+        lean = lean_rows and page % LEAN_WIDE_HEAD_TOKENS == 0
     else:
-        lean = shape.rows_per_kv_head <= LEAN_MAX_ROWS
+        lean = lean_rows = shape.rows_per_kv_head <= LEAN_MAX_ROWS
+    short_tile = KernelConfig(block_n=SHORT_BLOCK_N, block_m=block_m, num_warps=4, num_stages=2)
+    # A whole request's tile gathers its pages whatever their size, so the rows, not the pages,
+    # decide whether a program holds one.
+    whole = _whole_request_tile(shape, block_m) if lean_rows else None
     if not lean:  # a larger one-tile program holds more registers than its one tile pays for
-        short = _short_config(shape, block_m, SHORT_BLOCK_N, SHORT_BLOCK_N, device)
+        short = _short_config(shape, SHORT_BLOCK_N, whole or short_tile, device, all_in_flight=False)
         if short is not None:
             return short, "short"
         block_n = min(64 if block_d <= LEAN_MAX_HEAD_DIM else 128,
@@ -122,27 +140,51 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
         block_n = 16 if page % 16 == 0 and page % LEAN_TOKENS else LEAN_TOKENS
         aligned = page % block_n == 0
         stages = 3 if aligned and shape.rows_per_kv_head < LEAN_DEEP_MIN_ROWS else 5
-    whole = (shape.max_visible_tiles(1) <= SHORT_WHOLE_BLOCK_N
-             and SHORT_WHOLE_BLOCK_N * block_d <= WIDE_MAX_TILE_ELEMENTS)
-    short_block_n = SHORT_WHOLE_BLOCK_N if whole else SHORT_BLOCK_N
-    short = _short_config(shape, block_m, block_n, short_block_n, device)
+    all_in_flight = whole is not None and _whole_tiles_in_flight(shape, whole, device)
+    short = _short_config(shape, block_n, whole or short_tile, device, all_in_flight)
     if short is not None:
         return short, "short"
     return KernelConfig(block_n=block_n, block_m=block_m, num_warps=1, num_stages=stages), "lean"
 
 
-def _short_config(shape: ProblemShape, block_m: int, block_n: int, short_block_n: int,
-                  device: DeviceProperties) -> KernelConfig | None:
-    """Four-warp programs of one ``short_block_n``-token tile each, where the problem has at most
-    SHORT_MAX_TOKENS visible tokens and fewer ``block_n``-token tiles than SHORT_TILES_PER_SM an
-    SM (too few to occupy the GPU with the family's programs) and they all fit one wave."""
-    base, sms = shape.programs(block_m), device.sm_count
-    if (shape.max_visible_tiles(1) > SHORT_MAX_TOKENS
-            or base * shape.max_visible_tiles(block_n) >= SHORT_TILES_PER_SM * sms):
+def _whole_request_tile(shape: ProblemShape, block_m: int) -> KernelConfig | None:
+    """The short family's SHORT_WHOLE_BLOCK_N-token tile where it holds the whole request within
+    SHORT_WHOLE_TILE_BYTES of K, at four warps for each WIDE_MAX_TILE_ELEMENTS of it; else None."""
+    elements = SHORT_WHOLE_BLOCK_N * shape.block_d
+    if (shape.max_visible_tiles(1) > SHORT_WHOLE_BLOCK_N
+            or elements * shape.kv_dtype.itemsize > SHORT_WHOLE_TILE_BYTES):
         return None
-    short = KernelConfig(block_n=short_block_n, block_m=block_m, num_warps=4, num_stages=2)
+    warps = 4 * -(-elements // WIDE_MAX_TILE_ELEMENTS)
+    return KernelConfig(block_n=SHORT_WHOLE_BLOCK_N, block_m=block_m, num_warps=warps, num_stages=2)
+
+
+def _short_config(shape: ProblemShape, block_n: int, short: KernelConfig, device: DeviceProperties,
+                  all_in_flight: bool) -> KernelConfig | None:
+    """Programs of one ``short`` tile each, where the problem has at most SHORT_MAX_TOKENS visible
+    tokens and fewer ``block_n``-token tiles than SHORT_TILES_PER_SM an SM (too few to occupy the
+    GPU with the family's programs), or where ``all_in_flight`` (a lean problem's whole-request
+    tiles keep every byte in flight, ``_whole_tiles_in_flight``), and they all fit one wave."""
+    base, sms = shape.programs(short.block_m), device.sm_count
+    few_tiles = (shape.max_visible_tiles(1) <= SHORT_MAX_TOKENS
+                 and base * shape.max_visible_tiles(block_n) < SHORT_TILES_PER_SM * sms)
+    if not few_tiles and not all_in_flight:
+        return None
     one_wave = resident_programs_per_sm(short, shape, device, one_split=False) * sms
-    return short if base * shape.max_visible_tiles(short_block_n) <= one_wave else None
+    return short if base * shape.max_visible_tiles(short.block_n) <= one_wave else None
+
+
+def _whole_tiles_in_flight(shape: ProblemShape, whole: KernelConfig, device: DeviceProperties) -> bool:
+    """Whether the programs of ``whole`` (a whole request's tile, ``_whole_request_tile``), one
+    tile each, for requests of more than SHORT_WHOLE_MIN_TOKENS, load every K/V byte of the
+    problem (the mean request's tokens) within IN_FLIGHT_BYTES_PER_SM an SM: those loads are then
+    all in flight at once, where the lean family's programs would keep only part of them loading.
+    A window that ends inside a second tile is not one load, and keeps the lean family."""
+    tokens = shape.max_visible_tiles(1)
+    if tokens <= SHORT_WHOLE_MIN_TOKENS or shape.max_visible_tiles(whole.block_n) > 1:
+        return False
+    mean_tokens = tokens / max(1.0, shape.kv_len_spread)
+    request_bytes = 2 * mean_tokens * shape.head_dim * shape.kv_dtype.itemsize  # its K and V
+    return shape.programs(whole.block_m) * request_bytes <= IN_FLIGHT_BYTES_PER_SM * device.sm_count
 
 
 def _fill_loads_in_flight(config: KernelConfig, shape: ProblemShape,

@@ -4,8 +4,9 @@ Decode is bandwidth-bound, so the config's job is to keep enough K/V bytes in fl
 without splitting a request's work more than that needs. The model, in four steps, a module each:
 
 1. Tile family (``family.tile_family``): one-warp programs of small tiles ("lean"), four-warp
-   programs of ~16 KiB tiles ("wide"), or four-warp programs of one short tile each ("short")
-   where the whole problem is too small to occupy the GPU otherwise.
+   programs of ~16 KiB tiles ("wide"), or programs of one short tile each ("short") where the
+   whole problem is too small to occupy the GPU otherwise, or its requests' whole tiles keep every
+   K/V byte in flight at once.
 2. Residency and target (``family.occupancy``): how many of the family's programs fit an SM
    (measured registers and shared memory against this GPU's), and how many an SM needs to keep
    IN_FLIGHT_BYTES_PER_SM of K/V loads in flight (an fp8 cache's one-warp programs: enough warps

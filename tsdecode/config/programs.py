@@ -2,9 +2,10 @@
 once their split count is known, against the SMs that run them.
 
 - Lean programs of one split and equal lengths that spill past one wave take smaller tiles (or
-  fewer stages) where those keep them in one wave (``_fit_one_wave``); those of short requests
-  that fill more than half a wave take smaller tiles where those fill no more than half of theirs
-  (``_half_wave_tiles``).
+  fewer stages) where those keep them in one wave (``_fit_one_wave``); those of 16-bit tiles
+  inside pages and fewer than five query rows take five stages where that takes no more waves
+  (``_one_split_depth``); those of short requests that fill more than half a wave take smaller
+  tiles where those fill no more than half of theirs (``_half_wave_tiles``).
 - One-warp programs left two tiles each take four warps and one larger tile (``_two_tile_programs``).
 - One-warp programs no more than the SMs take four warps, and one tile a program where a tile
   held in registers makes it one, or where they leave many SMs idle (``_spread_warps``).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..device import DeviceProperties
+from .family import LEAN_DEEP_MIN_ROWS
 from .residency import REGISTER_SUB_PARTITIONS, resident_programs_per_sm
 from .space import BLOCK_N_CHOICES, MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape
 
@@ -37,6 +39,10 @@ LEAN_FIT_STAGES = 3
 # those programs fill no more than half of theirs.
 HALF_WAVE_MAX_TOKENS = 512
 HALF_WAVE_STAGES = 5
+# One-split 16-bit lean programs of tiles inside pages that step 1 gives three stages (fewer than
+# family.LEAN_DEEP_MIN_ROWS query rows) take this many (two tiles in flight) where that takes no
+# more waves.
+ONE_SPLIT_STAGES = 5
 # The stages of a one-warp program of one tile: the fewest buffers where the tile lies inside a
 # page, no pipeline where it gathers several.
 ONE_TILE_STAGES_INSIDE_PAGES = 2
@@ -84,7 +90,8 @@ def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
                         device: DeviceProperties) -> KernelConfig:
     """Step 4 for ``config`` of ``family`` ("lean", "wide" or "short"), its split count chosen."""
     if family == "lean" and config.num_kv_splits == 1:
-        config = _half_wave_tiles(_fit_one_wave(config, shape, device), shape, device)
+        config = _one_split_depth(_fit_one_wave(config, shape, device), shape, device)
+        config = _half_wave_tiles(config, shape, device)
     config = _spread_warps(_two_tile_programs(config, shape), shape, device)
     config = _many_one_tile_splits(_programs_short_of_warps(config, shape, device), shape)
     return _direct_fp8_loads(_one_tile_stages(config, shape), shape)
@@ -109,6 +116,25 @@ def _fit_one_wave(config: KernelConfig, shape: ProblemShape, device: DevicePrope
     else:  # the tile is already the smallest: fewer buffers of it
         smaller = dataclasses.replace(config, num_stages=min(config.num_stages, LEAN_FIT_STAGES))
     return smaller if one_wave(smaller) else config
+
+
+def _one_split_depth(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """One-split programs of 16-bit one-warp tiles inside pages with fewer than LEAN_DEEP_MIN_ROWS
+    query rows (three stages from step 1, one tile in flight) take ONE_SPLIT_STAGES where their
+    programs then need no more waves: a split program's count is raised to the target by its
+    splits, but a one-split program's count is the problem's own, so the pipeline's depth is its
+    one lever on the loads in flight. Applied after ``_fit_one_wave``, so a tile or depth that
+    fits one wave stays, and before ``_half_wave_tiles``, whose five-stage programs these become."""
+    if (config.num_warps != 1 or config.num_stages >= ONE_SPLIT_STAGES or shape.kv_dtype.itemsize == 1
+            or shape.page_size % config.block_n != 0 or shape.rows_per_kv_head >= LEAN_DEEP_MIN_ROWS):
+        return config
+    deeper = dataclasses.replace(config, num_stages=ONE_SPLIT_STAGES)
+    programs = shape.programs(config.block_m)
+
+    def waves(candidate: KernelConfig) -> int:
+        room = resident_programs_per_sm(candidate, shape, device, one_split=True) * device.sm_count
+        return -(-programs // room)
+    return deeper if waves(deeper) <= waves(config) else config
 
 
 def _half_wave_tiles(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
