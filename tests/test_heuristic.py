@@ -1146,24 +1146,22 @@ def test_one_split_programs_of_one_tile_in_flight_take_five_stages_within_their_
     2640 a wave): five stages, two tiles in flight. At B=8 (128 programs, 16 splits) the splits
     raise the count: three stages stay. At B=80, G=4, D=128, 1000 tokens, 1280 programs fit one
     wave at three stages (12 an SM, 1584) and take a second at five (8, 1056): three stay."""
+    def step_1_and_room(shape):
+        """Step 1's lean tile and stages, and the one-split programs an SM holds at three and five."""
+        occ = occupancy(shape, H200)
+        deeper = dataclasses.replace(occ.config, num_stages=PR.ONE_SPLIT_STAGES)
+        return ((occ.family, occ.base_programs, occ.config.block_n, occ.config.num_stages),
+                tuple(resident_programs_per_sm(c, shape, H200, one_split=True) for c in (occ.config, deeper)))
+
+    one_split = KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1)
     shape = make_shape(70, 107, num_qo_heads=32, num_kv_heads=16, head_dim=64, page_size=16)
-    occ = occupancy(shape, H200)
-    assert (occ.family, occ.base_programs, occ.config.block_n, occ.config.num_stages) == ("lean", 1120, 16, 3)
-    deeper = dataclasses.replace(occ.config, num_stages=PR.ONE_SPLIT_STAGES)
-    assert (resident_programs_per_sm(occ.config, shape, H200, one_split=True),
-            resident_programs_per_sm(deeper, shape, H200, one_split=True)) == (20, 20)
-    assert heuristic_config(shape, H200) == KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1,
-                                                         num_stages=5)
+    assert step_1_and_room(shape) == (("lean", 1120, 16, 3), (20, 20))
+    assert heuristic_config(shape, H200) == dataclasses.replace(one_split, num_stages=5)
     split = heuristic_config(dataclasses.replace(shape, batch_size=8, max_kv_len=1024), H200)
     assert (split.num_kv_splits, split.num_warps, split.num_stages) == (16, 1, 3)
     spills = make_shape(80, 1000, num_qo_heads=64, num_kv_heads=16, head_dim=128, page_size=16)
-    occ = occupancy(spills, H200)
-    assert (occ.family, occ.base_programs, occ.config.block_n, occ.config.num_stages) == ("lean", 1280, 16, 3)
-    deeper = dataclasses.replace(occ.config, num_stages=PR.ONE_SPLIT_STAGES)
-    assert (resident_programs_per_sm(occ.config, spills, H200, one_split=True),
-            resident_programs_per_sm(deeper, spills, H200, one_split=True)) == (12, 8)
-    assert heuristic_config(spills, H200) == KernelConfig(block_n=16, block_m=16, num_kv_splits=1, num_warps=1,
-                                                          num_stages=3)
+    assert step_1_and_room(spills) == (("lean", 1280, 16, 3), (12, 8))
+    assert heuristic_config(spills, H200) == dataclasses.replace(one_split, num_stages=3)
 
 
 def test_wide_programs_fill_whole_waves(monkeypatch):
