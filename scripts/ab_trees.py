@@ -222,6 +222,9 @@ def main() -> int:
         return 0
     if not args.other:
         ap.error("--other is required")
+    if args.tuned_table and tables.load_table(args.tuned_table) is None:
+        # Without it the run would time two columns, not three, and print no comparison with a tune.
+        ap.error(f"--tuned-table {args.tuned_table}: no readable config table there")
     if not torch.cuda.is_available():
         print("ab_trees needs a CUDA GPU (only --write-grid runs without one)", file=sys.stderr)
         return 2

@@ -107,6 +107,21 @@ def test_target_suites_are_what_the_tree_a_b_imports(bench_decode):
     assert sum(t.regime == "geometry base" for t in targets) == 1
 
 
+def test_tree_a_b_refuses_a_tuned_table_it_cannot_read(tmp_path, monkeypatch, capsys):
+    """ab_trees.py --tuned-table PATH that is missing or not a table stops before timing anything,
+    rather than running without the tune's column."""
+    import ab_trees
+
+    corrupt = tmp_path / "NVIDIA_H200.json"
+    corrupt.write_text("{not json")
+    for path in (tmp_path / "missing" / "NVIDIA_H200.json", corrupt):
+        monkeypatch.setattr(sys, "argv", ["ab_trees.py", "--other", str(tmp_path), "--tuned-table", str(path)])
+        with pytest.raises(SystemExit) as exc:
+            ab_trees.main()
+        assert exc.value.code == 2
+        assert f"--tuned-table {path}: no readable config table there" in capsys.readouterr().err
+
+
 def test_tree_a_b_takes_a_tuner_presets_grid_as_a_suite():
     """ab_trees.py --suites preset:NAME: the preset's shapes (sliding-window ones for mistral-7b)."""
     import ab_trees
