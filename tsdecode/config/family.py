@@ -26,7 +26,12 @@ SM of it, and how many programs an SM needs to keep its loads in flight.
      issue target;
    - at most the programs that fit (half of them when one-warp tiles cross pages: each token's
      page ID is then a dependent load that no other warp of the program hides, and such a tile
-     counts as one in flight).
+     counts as one in flight);
+   - for one-warp programs of a 16-bit cache whose tiles cross pages, of equal lengths, at most
+     GATHER_WARPS_PER_SCHEDULER a warp scheduler (``capped_at_schedulers``): each token of such a
+     tile is a gather its one warp issues, so past one such warp a scheduler an SM gains no loads.
+     The heuristic takes the capped count only where the uncapped count's programs walk at most
+     GATHER_MAX_CHAIN_TILES tiles and step 4 keeps the programs' form under it.
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ import math
 from dataclasses import dataclass
 
 from ..device import DeviceProperties
-from .residency import fits_an_sm, loads_in_flight, resident_programs_per_sm
-from .space import KernelConfig, ProblemShape, dot_block_m
+from .residency import REGISTER_SUB_PARTITIONS, fits_an_sm, loads_in_flight, resident_programs_per_sm
+from .space import RAGGED_SPREAD, KernelConfig, ProblemShape, dot_block_m
 
 # Loads in flight per SM that keep its share of DRAM bandwidth busy (bandwidth x latency).
 IN_FLIGHT_BYTES_PER_SM = 64 * 1024
@@ -73,6 +78,14 @@ LARGE_WIDE_TILE_MAX_PADDING = 1 / 16
 # warp is busy issuing rather than waiting on loads: an SM needs this many such warps (two per
 # scheduler) whatever bytes each keeps in flight.
 FP8_MIN_WARPS_PER_SM = 8
+# A one-warp program of a 16-bit cache whose tile crosses pages issues a gather for each token of
+# the tile, its page ID first: past this many such warps a scheduler, an SM issues no more loads.
+GATHER_WARPS_PER_SCHEDULER = 1
+# That holds while such a program walks at most this many tiles (at the uncapped count): its
+# pipeline's prologue (four tiles at five stages) issues most of its gathers at once, so all its
+# SM's warps issue together; a longer chain's warp mostly waits on its oldest tile, and a second
+# warp on its scheduler issues meanwhile.
+GATHER_MAX_CHAIN_TILES = 6
 # "short": at most this many visible tokens, and fewer lean tiles (SHORT_BLOCK_N-token ones where
 # the family is wide) in the whole problem than SHORT_TILES_PER_SM per SM. A program of no more
 # rows than a lean one's (on any pages) takes a whole request in one SHORT_WHOLE_BLOCK_N-token tile
@@ -240,4 +253,21 @@ def occupancy(shape: ProblemShape, device: DeviceProperties) -> Occupancy:
                      tiles_in_flight, bytes_target, issue_target)
 
 
-__all__ = ["Occupancy", "tile_family", "occupancy", "IN_FLIGHT_BYTES_PER_SM"]
+def capped_at_schedulers(shape: ProblemShape, occ: Occupancy) -> Occupancy | None:
+    """``occ`` with its target capped at GATHER_WARPS_PER_SCHEDULER programs a warp scheduler, for
+    one-warp programs of a 16-bit cache whose tiles cross pages and equal lengths, where that lowers
+    the target; else None. Each token of such a tile is a gather that its one warp issues, so past
+    one such warp a scheduler an SM gains no loads; programs of ragged lengths end apart, and an fp8
+    cache's warps have their own issue target."""
+    crossing = shape.page_size % occ.config.block_n != 0
+    if (occ.config.num_warps != 1 or not crossing or shape.kv_dtype.itemsize == 1
+            or shape.kv_len_spread >= RAGGED_SPREAD):
+        return None
+    cap = GATHER_WARPS_PER_SCHEDULER * REGISTER_SUB_PARTITIONS  # one warp scheduler a sub-partition
+    if occ.target <= cap:
+        return None
+    return dataclasses.replace(occ, target=float(cap), issue_target=float(cap))
+
+
+__all__ = ["Occupancy", "tile_family", "occupancy", "capped_at_schedulers", "IN_FLIGHT_BYTES_PER_SM",
+           "GATHER_MAX_CHAIN_TILES"]
