@@ -21,6 +21,10 @@
 #               (a path on the device machine, e.g. an ignored folder carried with the call)
 #   abpatch     ab_trees.py $AB_ARGS with this tree as the other side (A) and a copy of it with
 #               the patch AB_PATCH applied as B (e.g. AB_PATCH=reports/candidates/NAME.patch)
+#   modeltune   the model's pick against a short tune of a fresh random set: ab_trees.py --write-grid
+#               for MODEL_SEED (default 227, 40 shapes), tsdecode-tune of that grid (16 trials a bucket,
+#               MODEL_TUNE_BUDGET seconds, default 320), then ab_trees.py --tuned-table with that table,
+#               A = AB_OTHER (default this tree); into grid_/tune_/tuned_/ab_model_vs_tune_seed<N>.*
 #   transformers  bench_transformers.py (TRANSFORMERS_ARGS)
 #   loop        examples/decode_loop.py (LOOP_ARGS)
 #   tune        tsdecode-tune with TUNE_ARGS (default --preset llama3-8b) into TUNE_OUT (default
@@ -28,7 +32,7 @@
 #               user cache folder's table, not this one, unless TSDECODE_CONFIG_DIR points here
 #   report      tsdecode-tune report with REPORT_ARGS (default --preset llama3-8b)
 set -u
-STEPS="tests bench sweep sweepsel sweepcfg targets heldout pdl ncu occupancy host ab abpatch transformers loop tune report"
+STEPS="tests bench sweep sweepsel sweepcfg targets heldout pdl ncu occupancy host ab abpatch modeltune transformers loop tune report"
 case "${1:-}" in
   -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
 esac
@@ -88,6 +92,16 @@ for step in $steps; do
                        --csv "$OUT/ab_patch.csv") 2>&1 | tee "$OUT/ab_patch.log"; rc=$((rc | ${PIPESTATUS[0]}))
                   else echo "AB_PATCH $AB_PATCH does not apply to this tree"; rc=2; fi
              fi ;;
+    modeltune) seed=${MODEL_SEED:-227} dir="$OUT/tuned_seed${MODEL_SEED:-227}"
+             table=$(python3 -c "import torch; from tsdecode.config.tables import table_filename; print(table_filename(torch.cuda.get_device_name()))")
+             python3 scripts/ab_trees.py --count 40 --seed "$seed" --write-grid "$OUT/grid_seed$seed.toml" || rc=1
+             python3 -m tuner --grid-file "$OUT/grid_seed$seed.toml" --trials 16 --time-budget "${MODEL_TUNE_BUDGET:-320}" \
+               --top-k 2 --retime-rounds 3 --no-progress --out "$dir" > "$OUT/tune_seed$seed.txt" 2>&1 || rc=1
+             tail -3 "$OUT/tune_seed$seed.txt"
+             rm -f "$dir/${table%.json}_study.journal"* "$dir/${table%.json}_trials.jsonl" "$dir/$table.lock"
+             python3 scripts/ab_trees.py --other "${AB_OTHER:-$PWD}" --suites random --seed "$seed" --count 40 \
+               --tuned-table "$dir/$table" --csv "$OUT/ab_model_vs_tune_seed$seed.csv" 2>&1 \
+               | tee "$OUT/ab_model_vs_tune_seed$seed.log" | grep "^#"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     transformers) python3 scripts/bench_transformers.py --csv "$OUT/transformers.csv" ${TRANSFORMERS_ARGS:-} 2>&1 | tee "$OUT/transformers.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     loop)    python3 examples/decode_loop.py ${LOOP_ARGS:-} 2>&1 | tee "$OUT/decode_loop.log"; rc=$((rc | ${PIPESTATUS[0]})) ;;
     tune)    python3 -m tuner ${TUNE_ARGS:---preset llama3-8b} --out "${TUNE_OUT:-$OUT/tuned}" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -40; rc=$((rc | ${PIPESTATUS[0]})) ;;
