@@ -197,10 +197,30 @@ def test_a_buffer_of_exactly_k_splits_gets_k_splits():
     """The most splits a buffer holds, not one fewer: a buffer of exactly what k splits need."""
     inp = build(CASE)
     w = plan_wrapper(CASE, inp)
-    shape, selected = w._plan.shape, w.config.kernel_config.num_kv_splits
-    for k in sorted({2, selected - 1}):
+    shape, selected = w._plan.shape, w.config.kernel_config
+    tiles = shape.max_visible_tiles(selected.block_n)
+    # k splits that each walk a chain of their own: fit_config keeps them all.
+    for k in sorted({2, selected.num_kv_splits - 1} & {-(-tiles // c) for c in range(1, tiles + 1)}):
         w = plan_wrapper(CASE, inp, workspace_buffer=buffer(W.workspace_bytes(shape, k)))
         assert w.config.kernel_config.num_kv_splits == k, w.config.adjustments
+
+
+def test_the_count_a_buffer_holds_is_fitted_to_the_chains_it_walks():
+    """A buffer that holds k splits where k leave some with no tile of the longest request gets
+    the fitted count (the same chains in fewer programs), as every config a plan runs does."""
+    inp = build(CASE)
+    w = plan_wrapper(CASE, inp)
+    shape, block_n = w._plan.shape, w.config.kernel_config.block_n
+    tiles = shape.max_visible_tiles(block_n)
+    k = next(k for k in range(w.config.kernel_config.num_kv_splits - 1, 1, -1)
+             if -(-tiles // -(-tiles // k)) < k)  # e.g. 19 tiles: 9 splits walk chains of 3, as 7 do
+    w = plan_wrapper(CASE, inp, workspace_buffer=buffer(W.workspace_bytes(shape, k)))
+    fitted = -(-tiles // -(-tiles // k))
+    assert w.config.kernel_config.num_kv_splits == fitted, w.config.adjustments
+    assert any("fill only" in a for a in w.config.adjustments), w.config.adjustments
+    out = poisoned_out(CASE, inp)
+    run_wrapper(w, CASE, inp, out=out)
+    check(CASE, out, reference(CASE, inp))
 
 
 def test_ragged_plan_owned_lengths_fit_a_buffer_sized_without_them():

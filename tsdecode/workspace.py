@@ -14,7 +14,7 @@ import torch
 
 from . import validation as V
 from .config.select import SelectedConfig
-from .config.space import ProblemShape
+from .config.space import ProblemShape, fit_config
 from .kernels.launch import split_scratch_shape
 
 WORKSPACE_SECTION_ALIGNMENT = 256  # bytes; each section of the workspace starts at a multiple
@@ -82,12 +82,12 @@ def validate_workspace(workspace: object, device: torch.device, need: int) -> to
 
 
 def fit_to_workspace(shape: ProblemShape, selected: SelectedConfig, available: int) -> SelectedConfig:
-    """The selected config with as many splits as a caller's workspace holds (at least one)."""
+    """The selected config with as many splits as a caller's workspace holds (at least one),
+    fitted as every config a plan runs is (``fit_config``: no split that gets no tile)."""
     splits = selected.kernel_config.num_kv_splits
     while splits > 1 and workspace_bytes(shape, splits) > available:
         splits -= 1
     note = (f"num_kv_splits {selected.kernel_config.num_kv_splits} -> {splits}: what workspace_buffer "
             f"({available} bytes) holds")
-    return dataclasses.replace(selected, kernel_config=dataclasses.replace(selected.kernel_config,
-                                                                           num_kv_splits=splits),
-                               adjustments=selected.adjustments + (note,))
+    config, fitted = fit_config(dataclasses.replace(selected.kernel_config, num_kv_splits=splits), shape)
+    return dataclasses.replace(selected, kernel_config=config, adjustments=selected.adjustments + (note, *fitted))
