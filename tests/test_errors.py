@@ -119,6 +119,14 @@ ONESHOT_ERRORS = {
     "qo_indptr alias disagrees": (dict(qo_indptr="ok", seq_len_q=3, max_seq_len_q=4), ValueError, "disagrees"),
     "packed q 4-D": (dict(qo_indptr="ok", q="4d"), ValueError, "packed q"),
     "validate not bool": (dict(validate=0), TypeError, "validate must be a bool"),
+    "q of no heads": (dict(q="h0"), ValueError, r"q\.shape\[-2\] \(query heads Hq\) must be >= 1, got 0"),
+    "cache of no KV heads": (dict(paged_kv_cache="hkv0"), ValueError,
+                             r"paged_kv_cache shape \[num_pages, 2, Hkv, P, D\] needs Hkv, P and D of at least 1"),
+    "cache (K, V) of no KV heads": (dict(paged_kv_cache="kv-hkv0"), ValueError,
+                                    r"paged_kv_cache K and V shape .* needs Hkv, P and D of at least 1"),
+    "head dim unsupported": (dict(q="d80", paged_kv_cache="d80"), NotImplementedError,
+                             r"paged_kv_cache's head dim D \(and q\.shape\[-1\]\) must be one of"),
+    "mask_type not str": (dict(mask_type=None), TypeError, "mask_type must be a str"),
     "validate=False without capture args": (dict(validate=False), ValueError, "workspace_buffer, max_kv_len and out"),
 }
 
@@ -172,6 +180,11 @@ def _materialize(inp, kw):
         ("qo_indptr", "huge-mid"): lambda: torch.tensor([0, 5 * 10**6, 2], dtype=torch.int32, device=q.device),
         ("qo_indptr", "2d"): lambda: torch.tensor([[0, 1, 2]], dtype=torch.int32, device=q.device),
         ("q", "meta"): lambda: q.to("meta"),
+        ("q", "h0"): lambda: q[:, :0],
+        ("q", "d80"): lambda: torch.randn(*q.shape[:-1], 80, device=q.device).to(q.dtype),
+        ("paged_kv_cache", "hkv0"): lambda: cache[:, :, :0],
+        ("paged_kv_cache", "kv-hkv0"): lambda: (cache[:, 0, :0], cache[:, 1, :0]),
+        ("paged_kv_cache", "d80"): lambda: torch.randn(*cache.shape[:-1], 80, device=cache.device).to(cache.dtype),
     }
     for key, value in kw.items():
         if isinstance(value, str) and (key, value) in special:
@@ -246,6 +259,7 @@ PLAN_ERRORS = {
     "kv_data_type int8": (dict(kv_data_type=torch.int8), NotImplementedError, "kv_data_type torch.int8"),
     "o_data_type fp8 for bf16 q": (dict(o_data_type=FP8), NotImplementedError, "o_data_type torch.float8_e4m3fn"),
     "mask_type": (dict(mask_type="sliding"), ValueError, "mask_type must be one of"),
+    "mask_type not str": (dict(mask_type=["causal"]), TypeError, "mask_type must be a str"),
     "window without causal": (dict(window_left=3), ValueError, "needs mask_type='causal'"),
     "seq_lens over max_kv_len": (dict(seq_lens=[5, 41]), ValueError, r"seq_lens\[1\]=41 must be in \[1, max_kv_len=40\]"),
     "seq_lens zero": (dict(seq_lens=[0, 5]), ValueError, r"seq_lens\[0\]=0 must be in"),
@@ -751,7 +765,7 @@ def test_page_ids_are_checked_over_exactly_the_live_pages(owner, bad, covered):
     ((2, 0, 64), (0, 0, 0), False),         # empty
 ])
 def test_overlaps_itself(shape, stride, overlaps):
-    from tsdecode.validation import overlaps_itself
+    from tsdecode.memory import overlaps_itself
     t = torch.empty(4096, dtype=BF16).as_strided(shape, stride)
     assert overlaps_itself(t) is overlaps
 
@@ -786,6 +800,21 @@ def test_strided_lengths_where_they_are_only_read_on_the_host():
     torch.testing.assert_close(w.run(inp.q, inp.cache, None, inp.block_tables).float(), ref, rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="seq_lens must be contiguous"):
         plan().run(inp.q, inp.cache, strided, inp.block_tables)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CPU device under the interpreter")
+def test_a_plan_on_cpu_0_runs_cpu_tensors(inp):
+    """"cpu:0" names the one CPU device that tensors report as "cpu": a plan on it runs them."""
+    w = plan(device="cpu:0")
+    out = w.run(inp.q, inp.cache, inp.seq_lens, inp.block_tables)
+    assert torch.equal(out, oneshot(inp))
+
+
+def test_explain_takes_numpy_integers():
+    """explain() accepts numpy integers for its sizes as plan() does, and says the same."""
+    np = pytest.importorskip("numpy")
+    args = (4, 1000, 8, 2, 128, 16)
+    assert tsdecode.explain(*map(np.int64, args), device=DEVICE) == tsdecode.explain(*args, device=DEVICE)
 
 
 def test_numpy_scalars_are_accepted():

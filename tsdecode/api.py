@@ -23,6 +23,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from . import memory as M
 from . import validation as V
 from . import workspace as W
 from .config.select import SelectedConfig, select_config
@@ -72,7 +73,7 @@ class _Plan:
                 return False
             if q_shape is None and (q.dim() != 3 or q.shape[0] > self.query_capacity or q.shape[1:] != q_row):
                 return False  # packed
-            if not q.is_contiguous() and (q.stride(-1) != 1 or V.element_extent(q) >= V.INT32_ELEMENTS):
+            if not q.is_contiguous() and (q.stride(-1) != 1 or M.element_extent(q) >= V.INT32_ELEMENTS):
                 return False  # (contiguous, D > 1: stride(-1) is 1) the kernels index q in int32
             if out is not None and (out.shape != q.shape or out.dtype != s.o_dtype or out.device != device):
                 return False
@@ -105,8 +106,8 @@ class _Plan:
                 return True
             # out apart from itself and the inputs; a shared storage only sends the run to the full
             # checks, which compare byte spans (out may lie beside an input in one buffer)
-            if not out.is_contiguous() and (out.stride(-1) != 1 or V.overlaps_itself(out) or
-                                            V.element_extent(out) >= V.INT32_ELEMENTS):
+            if not out.is_contiguous() and (out.stride(-1) != 1 or M.overlaps_itself(out) or
+                                            M.element_extent(out) >= V.INT32_ELEMENTS):
                 return False
             base = out.untyped_storage().data_ptr()
             if base == self._workspace_memory[0]:
@@ -404,13 +405,13 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
                                  s.q_dtype, plan.device, "as planned by q_data_type, whose default is torch.float16")
         if s.packed and total_q > plan.query_capacity:
             raise ValueError(f"q holds {total_q} query tokens, more than B*max_seq_len_q = {plan.query_capacity}")
-        spans = V.byte_spans((("q", q), *cache_tensors, ("block_tables", block_tables), (lens_name, seq_lens),
+        spans = M.byte_spans((("q", q), *cache_tensors, ("block_tables", block_tables), (lens_name, seq_lens),
                               *((("qo_indptr", qo_indptr),) if qo_indptr is not None else ())))  # what is read
         if out is not None:
             out = V.validate_io_tensor("out", out, tuple(q.shape), "q's shape", s.o_dtype, plan.device,
                                       "as planned by o_data_type, whose default is q_data_type")
-            V.validate_out(out, spans + plan._workspace_memory[1])
-        V.validate_workspace_apart(plan._workspace_memory[2], spans)
+            M.validate_out(out, spans + plan._workspace_memory[1])
+        M.validate_workspace_apart(plan._workspace_memory[2], spans)
         bmm1, bmm2 = V.validate_scales(bmm1_scale, bmm2_scale, s.head_dim)
         if validate and not values_checked:
             _check_metadata_values(plan, block_tables, seq_lens, qo_indptr, page_shape[0], total_q)

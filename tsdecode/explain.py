@@ -23,8 +23,10 @@ def explain(batch_size: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, 
     ``seq_len_q`` is the fixed SQ, or the packed capacity (max_seq_len_q) when ``packed``.
     """
     V.require_int("batch_size", batch_size, minimum=1)
-    V.validate_heads(num_qo_heads, num_kv_heads, head_dim, page_size)
-    V.validate_sizes(batch_size, kv_len, seq_len_q, num_qo_heads, ("batch_size", "kv_len", "seq_len_q"), head_dim)
+    num_qo_heads, num_kv_heads, head_dim, page_size = V.validate_heads(num_qo_heads, num_kv_heads, head_dim,
+                                                                       page_size)
+    batch_size, kv_len, seq_len_q = V.validate_sizes(batch_size, kv_len, seq_len_q, num_qo_heads,
+                                                     ("batch_size", "kv_len", "seq_len_q"), head_dim)
     packed = V.require_bool("packed", packed)
     _, window_left = V.validate_mask(mask_type, window_left)
     q_dtype, kv_dtype, o_dtype = V.resolve_dtypes(q_dtype, kv_dtype, o_dtype, ("q_dtype", "kv_dtype", "o_dtype"))

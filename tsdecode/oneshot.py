@@ -17,6 +17,10 @@ from . import validation as V
 from .device import INTERPRETER
 from .kernels.metadata import read_metadata
 
+# The op takes no head counts: it reads them from its tensors' shapes, and its errors say so.
+HEAD_NAMES = ("q.shape[-2] (query heads Hq)", "paged_kv_cache's KV heads Hkv",
+              "paged_kv_cache's head dim D (and q.shape[-1])", "paged_kv_cache's page size P")
+
 __all__ = ["batch_decode_with_paged_kv_cache"]
 
 
@@ -83,6 +87,7 @@ def batch_decode_with_paged_kv_cache(
                          f"paged_kv_cache {list(kv.shape) if isinstance(kv, torch.Tensor) else list(kv[0].shape)} "
                          f"is read as HND ([num_pages, 2, Hkv, P, D] or (K, V) of [num_pages, Hkv, P, D]); "
                          f"an NHD cache ([.., P, Hkv, D]) must be transposed to HND")
+    V.validate_heads(num_qo_heads, num_kv_heads, head_dim, page_size, HEAD_NAMES)
     device = q.device
     if cache_device != device:
         raise ValueError(f"q is on {device} but paged_kv_cache is on {cache_device}: the op runs on q's device "

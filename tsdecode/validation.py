@@ -15,6 +15,8 @@ from typing import Sequence
 
 import torch
 
+from .memory import element_extent
+
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)  # 96 and 192 run padded to 128 and 256
 MAX_PAGE_SIZE = 1024
 MAX_GROUP_SIZE = 128
@@ -96,6 +98,9 @@ def packed_capacity(seq_len_q: int, max_seq_len_q: int | None) -> int | None:
 
 def validate_mask(mask_type: object, window_left: object) -> tuple[bool, int]:
     """(causal, window_left). A window (window_left >= 0) needs the causal mask."""
+    if not isinstance(mask_type, str):
+        raise TypeError(f"mask_type must be a str, one of {MASK_TYPES}, got {type(mask_type).__name__} "
+                        f"{mask_type!r}")
     if mask_type not in MASK_TYPES:
         raise ValueError(f"mask_type must be one of {MASK_TYPES}, got {mask_type!r}")
     window_left = require_int("window_left", window_left, minimum=-1)
@@ -145,22 +150,26 @@ def validate_sizes(batch_size: object, max_kv_len: object, max_seq_len_q: object
     return batch_size, max_kv_len, max_seq_len_q
 
 
-def validate_heads(num_qo_heads: object, num_kv_heads: object, head_dim: object,
-                   page_size: object) -> tuple[int, int, int, int]:
-    """(num_qo_heads, num_kv_heads, head_dim, page_size) as ints."""
-    num_qo_heads = require_int("num_qo_heads", num_qo_heads, minimum=1)
-    num_kv_heads = require_int("num_kv_heads", num_kv_heads, minimum=1)
-    head_dim = require_int("head_dim", head_dim, minimum=1)
-    page_size = require_int("page_size", page_size, minimum=1)
+HEAD_NAMES = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size")
+
+
+def validate_heads(num_qo_heads: object, num_kv_heads: object, head_dim: object, page_size: object,
+                   names: tuple[str, str, str, str] = HEAD_NAMES) -> tuple[int, int, int, int]:
+    """(num_qo_heads, num_kv_heads, head_dim, page_size) as ints; errors name them as ``names``."""
+    hq_name, hkv_name, d_name, p_name = names
+    num_qo_heads = require_int(hq_name, num_qo_heads, minimum=1)
+    num_kv_heads = require_int(hkv_name, num_kv_heads, minimum=1)
+    head_dim = require_int(d_name, head_dim, minimum=1)
+    page_size = require_int(p_name, page_size, minimum=1)
     if num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        raise ValueError(f"{hq_name} ({num_qo_heads}) must be a multiple of {hkv_name} ({num_kv_heads})")
     if num_qo_heads // num_kv_heads > MAX_GROUP_SIZE:
-        raise NotImplementedError(f"group size num_qo_heads/num_kv_heads must be <= {MAX_GROUP_SIZE}, "
+        raise NotImplementedError(f"group size {hq_name}/{hkv_name} must be <= {MAX_GROUP_SIZE}, "
                                   f"got {num_qo_heads // num_kv_heads}")
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        raise NotImplementedError(f"{d_name} must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     if page_size > MAX_PAGE_SIZE:
-        raise NotImplementedError(f"page_size must be in [1, {MAX_PAGE_SIZE}], got {page_size}")
+        raise NotImplementedError(f"{p_name} must be in [1, {MAX_PAGE_SIZE}], got {page_size}")
     return num_qo_heads, num_kv_heads, head_dim, page_size
 
 
@@ -216,7 +225,7 @@ def validate_device(device: object, interpreter: bool, name: str = "device") -> 
                              f"device(s)")
         return device
     if device.type == "cpu" and interpreter:
-        return device
+        return torch.device("cpu")  # "cpu:0" is the one CPU device tensors report as "cpu"
     raise ValueError(f"{name} must be a CUDA device (or the CPU with TRITON_INTERPRET=1 set before "
                      f"triton is imported), got {device}")
 
@@ -353,6 +362,7 @@ def cache_page_shape(paged_kv_cache: object) -> tuple[object, tuple[int, int, in
         if kv.device != v.device:
             raise ValueError(f"paged_kv_cache K and V devices differ: {kv.device} vs {v.device}")
         page_shape = tuple(kv.shape)
+        _check_page_dims(page_shape, _shape(kv), "paged_kv_cache K and V shape [num_pages, Hkv, P, D]")
         for name, t in (("K", kv), ("V", v)):
             _check_page_strides(name, page_shape, t.stride())
         return (kv, v), page_shape, kv.dtype, kv.device, (("paged_kv_cache K", kv), ("paged_kv_cache V", v))
@@ -361,12 +371,20 @@ def cache_page_shape(paged_kv_cache: object) -> tuple[object, tuple[int, int, in
         raise ValueError(f"paged_kv_cache must be [num_pages, 2, Hkv, P, D] (HND) or a (K, V) tuple of "
                          f"[num_pages, Hkv, P, D], got shape {list(shape)}")
     num_pages, _, hkv, p, d = shape
+    _check_page_dims((num_pages, hkv, p, d), list(shape), "paged_kv_cache shape [num_pages, 2, Hkv, P, D]")
     stride = kv.stride()
     if stride[1] != hkv * p * d:
         raise ValueError(f"paged_kv_cache must be compact inside a page (stride(1) == Hkv*P*D = "
                          f"{hkv * p * d}), got strides {stride}")
     _check_page_strides("K/V", (num_pages, hkv, p, d), (stride[0], *stride[2:]))
     return kv, (num_pages, hkv, p, d), kv.dtype, kv.device, (("paged_kv_cache", kv),)
+
+
+def _check_page_dims(page_shape: tuple[int, int, int, int], shape: object, what: str) -> None:
+    """Hkv, P and D of at least one (an empty cache dimension would hold no K/V of any request)."""
+    _, hkv, p, d = page_shape
+    if min(hkv, p, d) < 1:
+        raise ValueError(f"{what} needs Hkv, P and D of at least 1, got {shape}")
 
 
 def _check_page_strides(name: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
@@ -428,71 +446,3 @@ def validate_io_tensor(name: str, t: object, shape: tuple[int, ...], layout: str
                                   f"(shape {_shape(t)}, strides {list(t.stride())}); the kernels index q and out "
                                   f"in int32: at most {INT32_ELEMENTS - 1:,}")
     return t
-
-
-def element_extent(t: torch.Tensor) -> int:
-    """How many elements past its first a tensor's last element lies (0 when empty)."""
-    numel = t.numel()
-    if not numel:
-        return 0
-    if t.is_contiguous():  # dims of size 1, whatever their strides, add nothing
-        return numel - 1
-    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-
-
-def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
-    """[first byte, last byte] a tensor's elements occupy; None for an empty tensor."""
-    if t.numel() == 0:
-        return None
-    start = t.data_ptr()
-    return start, start + (element_extent(t) + 1) * t.element_size() - 1
-
-
-def overlaps_itself(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` may share memory (a stride-0 or interleaved view); from shape
-    and strides only (exotic non-overlapping interleavings also count as overlap)."""
-    if t.numel() == 0 or t.is_contiguous():
-        return False
-    reach = 0
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
-        if stride <= reach:
-            return True
-        reach += (size - 1) * stride
-    return False
-
-
-def byte_spans(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple[int, int]]]:
-    """(name, ``byte_span``) of each non-empty tensor: what ``validate_out`` and
-    ``validate_workspace_apart`` compare against."""
-    spans = []
-    for name, t in tensors:
-        span = byte_span(t)
-        if span is not None:
-            spans.append((name, span))
-    return spans
-
-
-def validate_out(out: torch.Tensor, spans: Sequence[tuple[str, tuple[int, int]]]) -> None:
-    """out shares no memory with itself (elements) or with any input (``byte_spans``)."""
-    if overlaps_itself(out):
-        raise ValueError(f"out must not overlap itself (a stride-0 or interleaved view would have "
-                         f"requests or heads overwrite each other), got shape {_shape(out)} strides {out.stride()}")
-    span = byte_span(out)
-    if span is None:
-        return
-    lo, hi = span
-    for name, (first, last) in spans:
-        if lo <= last and first <= hi:
-            raise ValueError(f"out must not alias {name} (their memory overlaps)")
-
-
-def validate_workspace_apart(partials: tuple[int, int] | None, spans: Sequence[tuple[str, tuple[int, int]]]) -> None:
-    """The split partials (the ``byte_span`` of the bytes of the plan's workspace_buffer the run
-    writes; None when it writes none) share no byte with a tensor the kernels read (``byte_spans``)."""
-    if partials is None:
-        return
-    lo, hi = partials
-    for name, (first, last) in spans:
-        if lo <= last and first <= hi:
-            raise ValueError(f"workspace_buffer must not overlap {name}: the split partials the run writes "
-                             f"there would overwrite it")

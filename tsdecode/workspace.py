@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from . import memory as M
 from . import validation as V
 from .config.select import SelectedConfig
 from .config.space import ProblemShape, fit_config
@@ -59,8 +60,8 @@ def workspace_memory(workspace: torch.Tensor, shape: ProblemShape,
     are): its storage's address (``_Plan.matches``), its ``byte_spans`` (out must not alias it) and
     the byte span of the split partials, None with one split (kept apart from the inputs)."""
     partials = workspace.view(torch.uint8).view(-1)[:workspace_bytes(shape, num_kv_splits)]
-    return (workspace.untyped_storage().data_ptr(), V.byte_spans((("workspace_buffer", workspace),)),
-            V.byte_span(partials))
+    return (workspace.untyped_storage().data_ptr(), M.byte_spans((("workspace_buffer", workspace),)),
+            M.byte_span(partials))
 
 
 def validate_workspace(workspace: object, device: torch.device, need: int) -> torch.Tensor:
