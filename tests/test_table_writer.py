@@ -169,6 +169,25 @@ def test_merge_moves_an_unusable_table_aside(damage, tmp_path, caplog):
     assert str(aside) in msg
 
 
+def test_a_merge_keeps_a_copy_of_entries_this_tsdecode_skips(tmp_path, caplog):
+    """An entry outside today's config space (another tsdecode sharing the folder wrote it) is not
+    merged, but the table as it was stays beside it, and one warning says so."""
+    path = write(tmp_path, entries={KEY: {(64, 8192): make_entry(), (4, 256): make_entry(8)}})
+    data = json.loads(path.read_text())
+    [foreign] = [r for r in data["entries"][KEY] if r["batch_size"] == 4]
+    foreign["kernel_config"]["block_n"] = 512  # outside today's space: the runtime skips it
+    path.write_text(json.dumps(data))
+    tables.clear_cache()
+    assert tables.load_table(path).skipped
+    caplog.clear()
+    merge_entries(path, H200, {KEY: {(1, 64): make_entry(8)}}, {})
+    assert set(tables.load_table(path).entries[KEY]) == {(64, 8192), (1, 64)}
+    [kept] = tmp_path.glob("NVIDIA_H200.json.skipped-*")
+    assert json.loads(kept.read_text()) == data
+    [msg] = messages(caplog)
+    assert "the entries this tsdecode skips (1) are not merged" in msg and str(kept) in msg
+
+
 def test_merge_moves_aside_a_fifo_named_like_the_table(tmp_path, caplog):
     """Reading a FIFO would block the tuner's last step for ever: it is no table."""
     path = tmp_path / tables.table_filename(H200.name)

@@ -37,7 +37,7 @@ from tsdecode.reference import reference_decode
 from tuner import buckets as tuner_buckets
 from tuner import measure, search, space, study
 from tuner.arguments import PROG
-from tuner.cli import main
+from tuner.cli import console_main, main
 from tuner.grids import DTYPES, PRESETS, ShapeSpec
 from tuner.table_writer import merge_entries
 
@@ -694,6 +694,38 @@ def test_an_interrupt_after_the_search_still_writes_the_finished_buckets(where, 
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the signal mask from /proc")
+def test_the_command_ignores_a_late_interrupt_while_the_process_exits(monkeypatch, capsys):
+    """``tsdecode-tune`` (``console_main``): once main returns, Ctrl-C and SIGTERM are ignored, so a
+    late signal cannot cut torch's exit-time cleanup short with a traceback (the work is written)."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(sys, "argv", [PROG, "explain", "--batch-size", "1", "--kv-len", "40", "--heads", "4:2",
+                                      "--head-dim", "64"])
+    try:
+        assert console_main() == 0
+        assert all(signal.getsignal(sig) is signal.SIG_IGN for sig in handlers)
+        os.kill(os.getpid(), signal.SIGINT)  # ignored: no KeyboardInterrupt here
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert "config: KernelConfig(" in capsys.readouterr().out
+
+
+def test_advised_commands_quote_paths_for_a_shell(tmp_path):
+    """The run's closing advice and the join command are pasted into a shell: a path with a space
+    stays one word."""
+    import shlex
+
+    from tuner.run import join_command, where_the_table_is_used
+
+    folder = tmp_path / "with space"
+    lines = where_the_table_is_used(folder / "cpu_Triton_interpreter.json", PRESETS["smoke"][0])
+    command = lines[-1].split("check with `")[1].rstrip("`")
+    env, *argv = shlex.split(command)
+    assert env == f"{tables.CONFIG_DIR_ENV}={folder.resolve()}" and argv[:2] == [PROG, "explain"]
+    assert shlex.split(join_command(folder / "s.journal", "j 1"))[2:] == [
+        "--storage", str(folder / "s.journal"), "--job", "j 1"]
+
+
 def test_an_interrupt_while_torch_imports_exits_130_without_a_traceback(tmp_path):
     """SIGINT in the first second (``select_device`` importing torch): one line, exit code 130."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import signal
 import sys
 
 from .arguments import PROG, Parser, ToolError, UsageError
@@ -157,6 +158,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+
+
+def console_main() -> int:
+    """The ``tsdecode-tune`` command (and ``python -m tuner``): ``main``, then the process's exit
+    with Ctrl-C and SIGTERM ignored. The run's work is written by then; a late signal would only cut
+    torch's exit-time cleanup short with a traceback (``main`` itself, called in-process by tests,
+    leaves the handlers as they were)."""
+    try:
+        code = main()
+    except KeyboardInterrupt:  # between main's return and here
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        code = 130
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return code
 
 
 def _main(argv: list[str]) -> int:

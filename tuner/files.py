@@ -10,15 +10,28 @@ import time
 from pathlib import Path
 
 
-def move_aside(path: Path, tag: str) -> Path:
-    """Rename ``path`` to ``<name>.<tag>-<UTC time>`` (numbered if taken); returns the new path."""
+def _aside(path: Path, tag: str) -> Path:
+    """``<name>.<tag>-<UTC time>`` beside ``path``, numbered if taken."""
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     target = path.with_name(f"{path.name}.{tag}-{stamp}")
     n = 1
     while target.exists():
         n += 1
         target = path.with_name(f"{path.name}.{tag}-{stamp}-{n}")
+    return target
+
+
+def move_aside(path: Path, tag: str) -> Path:
+    """Rename ``path`` to ``<name>.<tag>-<UTC time>`` (numbered if taken); returns the new path."""
+    target = _aside(path, tag)
     os.replace(path, target)
+    return target
+
+
+def copy_aside(path: Path, tag: str) -> Path:
+    """Copy ``path`` to ``<name>.<tag>-<UTC time>`` (numbered if taken), atomically; returns it."""
+    target = _aside(path, tag)
+    atomic_write_text(target, path.read_text(encoding="utf-8"))
     return target
 
 

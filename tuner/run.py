@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import sys
 import tempfile
@@ -98,10 +99,16 @@ def where_the_table_is_used(table: Path, spec) -> list[str]:
         lines.append(f"plans on this device use it {when}: search order: ${CONFIG_DIR_ENV}, the user cache "
                      f"({folder}), the shipped tables; check with `{explain}`")
     else:
-        lines.append(f"plans do not search {folder} by default: set {CONFIG_DIR_ENV}={folder} (or call "
+        quoted = shlex.quote(str(folder))  # the advice is pasted into a shell
+        lines.append(f"plans do not search {folder} by default: set {CONFIG_DIR_ENV}={quoted} (or call "
                      f"tsdecode.config.tables.set_config_path) to use it; check with "
-                     f"`{CONFIG_DIR_ENV}={folder} {explain}`")
+                     f"`{CONFIG_DIR_ENV}={quoted} {explain}`")
     return lines
+
+
+def join_command(storage, job_name: str) -> str:
+    """The command other hosts join a job with (its storage path quoted for a shell)."""
+    return f"{PROG} worker --storage {shlex.quote(str(storage))} --job {shlex.quote(job_name)}"
 
 
 def smoke_note(specs, cpu: bool) -> list[str]:
@@ -495,7 +502,7 @@ def _tune_here(args, device: str, specs, table_dir: Path, work_dir: Path, cpu: b
         job = _define_job(args, storage, specs, settings, heartbeat, props, paths.table, cpu)
         if job is not None:
             J.pin(storage, job.name, identity)
-            echo(f"job: {job.name} (other hosts join with: {PROG} worker --storage {paths.storage} --job {job.name})")
+            echo(f"job: {job.name} (other hosts join with: {join_command(paths.storage, job.name)})")
             if compile_workers > 0:
                 pool = runner.CompilePool(compile_workers, device, args.inject_hook)
             tuner = search.Tuner(settings, client, device=props, copy_bandwidth_gbs=copy_bw, paths=paths,
@@ -581,7 +588,7 @@ def _tune_supervised(args, slots, specs, table_dir: Path, work_dir: Path, cpu: b
         job = _define_job(args, storage, specs, settings, heartbeat, props, paths.table, cpu)
         if job is None:
             return _finish(storage, None, paths, [], t_start, cpu, grid=specs)
-        echo(f"job: {job.name} (other hosts join with: {PROG} worker --storage {paths.storage} --job {job.name})")
+        echo(f"job: {job.name} (other hosts join with: {join_command(paths.storage, job.name)})")
         log = ResultLog(paths.jsonl)
         log.write({"kind": "run", "device": props.to_dict(), "settings": settings.to_dict(), "job": job.name,
                    "workers": [s.label for s in slots]})
@@ -736,5 +743,5 @@ def run_create(args) -> int:
     job = J.save_job(storage, J.Job(name, tuple(specs), settings, heartbeat, interpreter=cpu))
     print(job.name)
     echo(f"job {job.name}: {len(specs)} shapes in {len(job.buckets)} buckets; workers join with: "
-         f"{PROG} worker --storage {args.storage} --job {job.name} [--devices all]")
+         f"{join_command(args.storage, job.name)} [--devices all]")
     return 0

@@ -28,7 +28,7 @@ from tsdecode.config import tables
 from tsdecode.config.table_format import FORMAT_VERSION, TableEntry
 from tsdecode.device import DeviceProperties
 
-from .files import atomic_write_text, move_aside
+from .files import atomic_write_text, copy_aside, move_aside
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,11 @@ def _existing(path: Path, device: DeviceProperties) -> tuple[dict, str | None]:
         logger.warning(f"tuned config table {path}: {'; '.join(table.stale)}; its entries are not merged "
                        f"(moved aside to {moved})")
         return {}, None
+    if table.skipped:  # entries of another config space (e.g. another tsdecode sharing the folder)
+        kept = copy_aside(path, "skipped")
+        logger.warning(f"tuned config table {path}: the entries this tsdecode skips ({len(table.skipped)}) are "
+                       f"not merged ({table.skipped[0]}{'; ...' if len(table.skipped) > 1 else ''}); the table as it "
+                       f"was is kept as {kept}")
     return {k: dict(v) for k, v in table.entries.items()}, table.created
 
 
