@@ -543,13 +543,25 @@ def test_packed_run_checks_the_offsets(inp):
         run(torch.tensor([0, 1, 3]))
     with pytest.raises(ValueError, match=r"qo_indptr must have shape \[B\+1\]=\[3\]"):
         run([0, 3])
-    with pytest.raises(ValueError, match="more than B\\*max_seq_len_q = 4"):
+    with pytest.raises(ValueError, match="q holds 5 query tokens; .* from B=2 to 4"):
         run([0, 2, 5], q=torch.cat([q3, q3[:2]]))
     out = run([0, 2, 3])
     assert out.shape == q3.shape
     with pytest.raises(ValueError, match=r"q must be packed \[total_q, Hq, D\] \(the plan is packed\), with "
                                          r"total_q at most B\*max_seq_len_q = 4; got shape \[2, 1, 8, 64\]"):
         run([0, 1, 2], q=inp.q[:, None])
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_packed_q_of_fewer_tokens_than_requests_is_refused_unvalidated_too(inp, validate):
+    """Each request of a packed q has one query token or more: a q of fewer tokens than B would
+    have the kernels read past its end under offsets run(validate=False) does not read."""
+    w = plan(packed_query=True, max_seq_len_q=2)
+    indptr = torch.tensor([0, 1, 2], dtype=torch.int32, device=inp.q.device)
+    out = torch.full((1, *inp.q.shape[1:]), float("nan"), device=inp.q.device).to(BF16)
+    with pytest.raises(ValueError, match="q holds 1 query tokens; .* from B=2 to 4"):
+        w.run(inp.q[:1], inp.cache, inp.seq_lens, inp.block_tables, qo_indptr=indptr, out=out, validate=validate)
+    assert torch.isnan(out.float()).all()
 
 
 def test_cpu_tensors_need_interpreter(monkeypatch):

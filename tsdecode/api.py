@@ -71,8 +71,9 @@ class _Plan:
                 return False
             if q_shape is not None and q.shape != q_shape:
                 return False
-            if q_shape is None and (q.dim() != 3 or q.shape[0] > self.query_capacity or q.shape[1:] != q_row):
-                return False  # packed
+            if q_shape is None and (q.dim() != 3 or not s.batch_size <= q.shape[0] <= self.query_capacity
+                                    or q.shape[1:] != q_row):
+                return False  # packed: at least one token a request, at most the capacity
             if not q.is_contiguous() and (q.stride(-1) != 1 or M.element_extent(q) >= V.INT32_ELEMENTS):
                 return False  # (contiguous, D > 1: stride(-1) is 1) the kernels index q in int32
             if out is not None and (out.shape != q.shape or out.dtype != s.o_dtype or out.device != device):
@@ -403,8 +404,9 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
         total_q = q.shape[0] if s.packed and q.dim() == 3 else plan.query_capacity
         q = V.validate_io_tensor("q", q, plan.q_shape(total_q), V.describe_query_layout(s.packed, s.max_seq_len_q),
                                  s.q_dtype, plan.device, "as planned by q_data_type, whose default is torch.float16")
-        if s.packed and total_q > plan.query_capacity:
-            raise ValueError(f"q holds {total_q} query tokens, more than B*max_seq_len_q = {plan.query_capacity}")
+        if s.packed and not s.batch_size <= total_q <= plan.query_capacity:
+            raise ValueError(f"q holds {total_q} query tokens; a packed q holds one or more a request and at most "
+                             f"B*max_seq_len_q: from B={s.batch_size} to {plan.query_capacity}")
         spans = M.byte_spans((("q", q), *cache_tensors, ("block_tables", block_tables), (lens_name, seq_lens),
                               *((("qo_indptr", qo_indptr),) if qo_indptr is not None else ())))  # what is read
         if out is not None:
@@ -430,31 +432,8 @@ def _check_metadata_values(plan: _Plan, block_tables, seq_lens, qo_indptr, num_p
     s = plan.shape
     with on_device(plan.device):
         lens, indptr, min_page, max_page = read_metadata(block_tables, seq_lens, qo_indptr, s.page_size)
-    check_values(s, lens, indptr, min_page, max_page, block_tables.shape[1], num_pages, total_q, "seq_lens")
-
-
-def check_values(s: ProblemShape, lens, indptr, min_page: int, max_page: int, cols: int, num_pages: int,
-                 total_q: int, lens_name: str) -> None:
-    """The metadata's values against the plan (one-shot: against the bounds it planned)."""
-    capacity = min(s.max_kv_len, cols * s.page_size)
-    for b, n in enumerate(lens):
-        if not 1 <= n <= s.max_kv_len:
-            raise ValueError(f"{lens_name}[{b}]={n} must be in [1, max_kv_len={s.max_kv_len}]")
-        if n > capacity:
-            raise ValueError(f"{lens_name}[{b}]={n} needs {-(-n // s.page_size)} pages but block_tables has "
-                             f"C={cols} columns of page_size {s.page_size}")
-    if min_page < 0:
-        raise ValueError(f"block_tables holds a negative page ID ({min_page}) among the live pages")
-    if max_page >= num_pages:
-        raise ValueError(f"block_tables holds page ID {max_page} among the live pages but paged_kv_cache "
-                         f"has only {num_pages} pages")
-    q_lens = (V.validate_qo_indptr_values(indptr, total_q, s.max_seq_len_q) if s.packed
-              else [s.max_seq_len_q] * len(lens))
-    if s.causal:
-        for b, (nq, nk) in enumerate(zip(q_lens, lens)):
-            if nq > nk:
-                raise ValueError(f"causal mask needs query length <= K/V length; request {b} has {nq} "
-                                 f"query tokens and {lens_name}[{b}]={nk}")
+    V.validate_metadata_values(s, lens, indptr, min_page, max_page, block_tables.shape[1], num_pages, total_q,
+                               "seq_lens")
 
 
 # --- torch.compile -------------------------------------------------------------------------------

@@ -134,8 +134,8 @@ def batch_decode_with_paged_kv_cache(
                                      max(lens) if max_kv_len is None else max_kv_len, sq, packed, q.dtype,
                                      kv_dtype, out_dtype, mask_type, window_left,
                                      ("q", "paged_kv_cache", out_name))
-    api.check_values(shape, lens, indptr, min_page, max_page, block_tables.shape[1], num_pages,
-                     q.shape[0] if packed else batch * sq, "seq_lens_kv")
+    V.validate_metadata_values(shape, lens, indptr, min_page, max_page, block_tables.shape[1], num_pages,
+                               q.shape[0] if packed else batch * sq, "seq_lens_kv")
     plan = api.make_plan(device, shape, tuple(lens), workspace_buffer, None)
     if device.type == "cuda" and q.is_contiguous() and (out is None or out.is_contiguous()) \
             and isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.is_contiguous():

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from .config.space import ProblemShape
 from .memory import element_extent
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)  # 96 and 192 run padded to 128 and 256
@@ -332,6 +333,31 @@ def validate_qo_indptr_values(indptr: Sequence[int], total_q: int, max_seq_len_q
     if indptr[-1] != total_q:
         raise ValueError(f"qo_indptr[-1]={indptr[-1]} must equal total_q={total_q} (q.shape[0])")
     return lengths
+
+
+def validate_metadata_values(s: ProblemShape, lens, indptr, min_page: int, max_page: int, cols: int, num_pages: int,
+                 total_q: int, lens_name: str) -> None:
+    """The metadata's values (read on the host) against the plan ``s`` (one-shot: against the bounds
+    it planned)."""
+    capacity = min(s.max_kv_len, cols * s.page_size)
+    for b, n in enumerate(lens):
+        if not 1 <= n <= s.max_kv_len:
+            raise ValueError(f"{lens_name}[{b}]={n} must be in [1, max_kv_len={s.max_kv_len}]")
+        if n > capacity:
+            raise ValueError(f"{lens_name}[{b}]={n} needs {-(-n // s.page_size)} pages but block_tables has "
+                             f"C={cols} columns of page_size {s.page_size}")
+    if min_page < 0:
+        raise ValueError(f"block_tables holds a negative page ID ({min_page}) among the live pages")
+    if max_page >= num_pages:
+        raise ValueError(f"block_tables holds page ID {max_page} among the live pages but paged_kv_cache "
+                         f"has only {num_pages} pages")
+    q_lens = (validate_qo_indptr_values(indptr, total_q, s.max_seq_len_q) if s.packed
+              else [s.max_seq_len_q] * len(lens))
+    if s.causal:
+        for b, (nq, nk) in enumerate(zip(q_lens, lens)):
+            if nq > nk:
+                raise ValueError(f"causal mask needs query length <= K/V length; request {b} has {nq} "
+                                 f"query tokens and {lens_name}[{b}]={nk}")
 
 
 def split_cache(paged_kv_cache: object) -> tuple[torch.Tensor, torch.Tensor | None]:
