@@ -405,8 +405,8 @@ def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, 
         q = V.validate_io_tensor("q", q, plan.q_shape(total_q), V.describe_query_layout(s.packed, s.max_seq_len_q),
                                  s.q_dtype, plan.device, "as planned by q_data_type, whose default is torch.float16")
         if s.packed and not s.batch_size <= total_q <= plan.query_capacity:
-            raise ValueError(f"q holds {total_q} query tokens; a packed q holds one or more a request and at most "
-                             f"B*max_seq_len_q: from B={s.batch_size} to {plan.query_capacity}")
+            raise ValueError(f"q holds {total_q} query tokens; a packed q holds at least one token a request and at "
+                             f"most B*max_seq_len_q: from B={s.batch_size} to {plan.query_capacity}")
         spans = M.byte_spans((("q", q), *cache_tensors, ("block_tables", block_tables), (lens_name, seq_lens),
                               *((("qo_indptr", qo_indptr),) if qo_indptr is not None else ())))  # what is read
         if out is not None:
