@@ -11,6 +11,12 @@ shapes), so the pick can be compared with a tuned best in the same call; where t
 CSV lies beside the table, each shape's count of timed configs too, and the comparison again over
 the shapes the tune searched (a time budget that ran out leaves a shape at the model's own pick).
 ``--control`` adds this tree a second time ("B2"): its ratio to B is the method's own noise floor.
+``--moved-only`` times only the shapes whose two picks differ (each tree plans the shape's lengths
+first, with no tensors): with several seeds (``--seed 300-339``), an A/B of a config-model change
+over the few shapes of many random sets that it moves. A plan on a GPU takes milliseconds, so
+over thousands of shapes name the moved ones with ``--only`` as well (``model_scores.py
+--suites`` lists them with no GPU). ``--only`` keeps the shapes whose name (``seedN/<shape>``
+with several seeds) contains one of its comma-separated texts.
 
 Timing: each round times every side once (one CUDA-graph replay window each), the order rotated
 from round to round, so each side goes first equally often; a ratio is the geometric mean over
@@ -19,12 +25,14 @@ H200's 700 W, reached by fp8 caches) lowers its clock while a replay runs: a fix
 first side the coolest clock. The mean SM clock of each side's windows is reported beside it.
 
 Suites: targets and heldout (``scripts/bench_decode.py``'s), ``random``: COUNT shapes drawn
-with SEED (G 1-16, D 64/128/256, P 1-64, B 1-256, L 100-64k, bf16 or fp8 cache, some ragged), and
+with each SEED (named ``seedN/...`` where there are several; G 1-16, D 64/128/256, P 1-64, B 1-256, L 100-64k, bf16 or fp8 cache, some ragged), and
 ``preset:NAME``: a ``tsdecode-tune`` preset's grid (e.g. ``preset:mistral-7b``, sliding-window
 shapes; ``preset:fp8``, bf16 queries over fp8 caches: the shipped table's classes).
 
 Usage: python scripts/ab_trees.py --other /path/to/old/tree --suites targets,heldout,random
        [--count 40 --seed 2] [--tuned-table DIR/NVIDIA_H200.json] [--csv out.csv]
+       python scripts/ab_trees.py --other /path/to/old/tree --suites random --seed 300-379 --moved-only \
+           --only seed303/B200_L1141,seed316/B102_L1493
 """
 
 from __future__ import annotations
@@ -48,9 +56,9 @@ import torch  # noqa: E402
 import bench_decode  # noqa: E402
 import tsdecode  # noqa: E402
 from tsdecode.config import tables  # noqa: E402
-from tuner.grids import PRESETS, ShapeSpec  # noqa: E402
+from tuner.grids import DTYPES, PRESETS, ShapeSpec  # noqa: E402
 from tuner.measure import (  # noqa: E402
-    bytes_moved, copy_bandwidth_gbs, graph_time_us, make_inputs, num_copies, sm_clock_mhz,
+    bytes_moved, copy_bandwidth_gbs, graph_time_us, make_inputs, num_copies, seq_lens_for, sm_clock_mhz,
 )
 
 PAGE_SIZES = (1, 2, 3, 4, 8, 12, 16, 16, 24, 32, 48, 64)
@@ -96,6 +104,21 @@ def write_grid(shapes: list[ShapeSpec], path: str) -> None:
                     f"ragged = {str(s.ragged).lower()}\n\n")
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``--seed``'s seeds: integers, comma-separated, or ranges ``FIRST-LAST`` (both included)."""
+    seeds = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            seeds += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--seed wants integers or ranges, comma-separated (e.g. 79,83 or "
+                                         f"300-339), got {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"--seed {text!r} names no seed (a range's first seed is its lowest)")
+    return seeds
+
+
 def suite_shapes(names: list[str], count: int, seed: int) -> list[tuple[str, ShapeSpec]]:
     out = []
     for name in names:
@@ -135,6 +158,32 @@ def plan_calls(module, spec: ShapeSpec, sets, config=None):
             calls.append(lambda w=w, s=s: w.run(s.q, s.cache, out=s.out))
         picked = w.config
     return calls, picked
+
+
+def named_shapes(names: list[str], count: int, seeds: list[int]) -> list[tuple[str, str, ShapeSpec]]:
+    """(suite, name, shape) of the named suites: the random suite once per seed, its shapes named
+    ``seedN/<shape>`` where there are several seeds."""
+    out = []
+    for suite in names:
+        for seed in seeds if suite == "random" else seeds[:1]:
+            out += [(suite, f"seed{seed}/{spec.name}" if suite == "random" and len(seeds) > 1 else spec.name, spec)
+                    for _, spec in suite_shapes([suite], count, seed)]
+    return out
+
+
+def metadata_pick(module, spec: ShapeSpec, device: torch.device):
+    """``module``'s pick for the lengths ``make_inputs(seed=1)`` draws, planned from metadata alone
+    (the FlashInfer call form, no tensors): what ``plan_calls`` would run, without the inputs."""
+    if "device" not in module.BatchDecodePagedTSWrapper.plan.__code__.co_varnames[:2]:
+        raise SystemExit("--moved-only needs both trees' plan in the FlashInfer call form "
+                         "(plan(device, batch_size, ...)); the other tree has the older one")
+    lens = seq_lens_for(spec, torch.Generator().manual_seed(1))
+    w = module.BatchDecodePagedTSWrapper()
+    w.plan(device, spec.batch_size, spec.num_qo_heads, spec.num_kv_heads, spec.head_dim, spec.page_size,
+           max(lens), seq_lens=lens, max_seq_len_q=spec.seq_len_q, q_data_type=DTYPES[spec.q_dtype],
+           kv_data_type=DTYPES[spec.kv_dtype], o_data_type=DTYPES[spec.o_dtype],
+           mask_type=spec.mask_type, window_left=spec.window_left)
+    return w.config.kernel_config.to_dict()
 
 
 def tune_trials(table_path: str | None) -> dict:
@@ -208,17 +257,22 @@ def main() -> int:
     ap.add_argument("--other", default=None, help="root of the other source tree (the A side)")
     ap.add_argument("--suites", default="targets,heldout,random")
     ap.add_argument("--count", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=2)
+    ap.add_argument("--seed", type=parse_seeds, default=[2],
+                    help="the random suite's seeds: N, N,M or FIRST-LAST (default 2)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per shape (default: one per side, at least 2)")
     ap.add_argument("--replay-ms", type=float, default=60.0)
     ap.add_argument("--tuned-table", default=None)
     ap.add_argument("--control", action="store_true", help="time this tree twice (B and B2): the noise floor")
+    ap.add_argument("--only", default=None,
+                    help="time only shapes whose name contains one of these comma-separated texts")
+    ap.add_argument("--moved-only", action="store_true",
+                    help="time only the shapes whose two picks differ (both trees in the FlashInfer call form)")
     ap.add_argument("--csv", default=None)
     ap.add_argument("--write-grid", default=None,
                     help="write the random suite as a tsdecode-tune --grid-file (TOML) and exit")
     args = ap.parse_args()
     if args.write_grid:
-        write_grid(random_shapes(args.count, args.seed), args.write_grid)
+        write_grid([s for n in args.seed for s in random_shapes(args.count, n)], args.write_grid)
         return 0
     if not args.other:
         ap.error("--other is required")
@@ -234,7 +288,13 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, copy {copy:.0f} GB/s; "
           f"A = {args.other}, B = this tree", flush=True)
     rows, searched = [], tune_trials(args.tuned_table)
-    for suite, spec in suite_shapes(args.suites.split(","), args.count, args.seed):
+    skipped = 0
+    for suite, name, spec in named_shapes(args.suites.split(","), args.count, args.seed):
+        if not bench_decode.selected_by(args.only, name):
+            continue
+        if args.moved_only and metadata_pick(other, spec, dev) == metadata_pick(tsdecode, spec, dev):
+            skipped += 1
+            continue
         sets = make_inputs(spec, dev, copies=num_copies(spec), seed=1)
         nbytes = bytes_moved(spec, sets[0].seq_lens.tolist())
         sides = {"A": plan_calls(other, spec, sets), "B": plan_calls(tsdecode, spec, sets)}
@@ -250,14 +310,14 @@ def main() -> int:
             time_rounds(sides, times, clocks, RETIME_CYCLES * len(sides), args.replay_ms)
         a_over_b, noise = paired_ratio(times, "A", "B")
         med = {k: statistics.median(v) for k, v in times.items()}
-        row = dict(suite=suite, shape=spec.name, a_us=med["A"], b_us=med["B"], a_over_b=a_over_b,
+        row = dict(suite=suite, shape=name, a_us=med["A"], b_us=med["B"], a_over_b=a_over_b,
                    noise=noise, rounds=len(times["A"]), retimed=retimed,
                    a_mhz=mean_clock(clocks["A"]), b_mhz=mean_clock(clocks["B"]),
                    a_config=str(sides["A"][1].kernel_config), a_source=sides["A"][1].source,
                    b_config=str(sides["B"][1].kernel_config), b_source=sides["B"][1].source,
                    pct_copy_b=100 * nbytes / (med["B"] * 1e-6) / 1e9 / copy)
         clock = "" if row["a_mhz"] is None else f", {row['a_mhz']:.0f}/{row['b_mhz']:.0f} MHz"
-        line = (f"{suite:8s} {spec.name:48s} A {med['A']:9.1f} B {med['B']:9.1f} A/B {a_over_b:6.3f} "
+        line = (f"{suite:8s} {name:48s} A {med['A']:9.1f} B {med['B']:9.1f} A/B {a_over_b:6.3f} "
                 f"(noise {noise:.3f}{', re-timed' if retimed else ''}{clock})")
         if tuned is not None:
             b_over_tuned = paired_ratio(times, "B", "tuned")[0]
@@ -277,6 +337,8 @@ def main() -> int:
             bench_decode.write_csv(args.csv, rows)
         del sets, sides
         torch.cuda.empty_cache()
+    if args.moved_only:
+        print(f"# --moved-only: {len(rows)} shapes timed, {skipped} skipped (both trees pick the same config)")
     for suite in sorted({r["suite"] for r in rows}):
         r = [x for x in rows if x["suite"] == suite]
         ratios = [x["a_over_b"] for x in r]

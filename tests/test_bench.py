@@ -1,6 +1,8 @@
 """The benchmark scripts' helpers (suites, byte counts, explicit launch arguments, the probes'
 kernels, offline SASS counts) and tuner.measure's byte counts: timings need a GPU, these do not."""
 
+import argparse
+import dataclasses
 import os
 import sys
 
@@ -9,6 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
+import tsdecode  # noqa: E402
 from tsdecode import KernelConfig  # noqa: E402
 from tuner.grids import PRESETS, ShapeSpec  # noqa: E402
 from tuner.measure import bytes_moved, make_inputs  # noqa: E402
@@ -292,6 +295,43 @@ def test_method_probe_contiguous_read_sums_every_word():
     sink = torch.full((programs,), -1, dtype=torch.int32, device=_device())
     method_probe._read_sum_kernel[(programs,)](buf, sink, per_program, BLOCK=1024)
     assert sink.tolist() == [int(c.sum()) for c in buf.view(programs, per_program).cpu()]
+
+
+def test_tree_a_b_draws_the_random_suite_once_per_seed():
+    """ab_trees.py --seed 300-302: three random sets of COUNT shapes, each named after its seed, in
+    the order the suites were named; one seed keeps the shapes' own names."""
+    import ab_trees
+
+    assert ab_trees.parse_seeds("300-302,7") == [300, 301, 302, 7]
+    for bad in ("3-1", "x", "1,,2"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--seed"):
+            ab_trees.parse_seeds(bad)
+    shapes = ab_trees.named_shapes(["random", "heldout"], 3, [300, 301, 302])
+    drawn = [(name, spec) for suite, name, spec in shapes if suite == "random"]
+    assert [n.split("/")[0] for n, _ in drawn] == ["seed300"] * 3 + ["seed301"] * 3 + ["seed302"] * 3
+    assert [s for _, s in drawn[3:6]] == ab_trees.random_shapes(3, 301)
+    assert [suite for suite, _, _ in shapes][-1] == "heldout" and shapes[0][0] == "random"
+    one = ab_trees.named_shapes(["random"], 3, [301])
+    assert [name for _, name, _ in one] == [s.name for s in ab_trees.random_shapes(3, 301)]
+
+
+def test_tree_a_b_plans_a_pick_from_the_lengths_alone():
+    """--moved-only compares the two trees' picks before making any input: the pick it plans from
+    metadata is the one the timed wrapper gets from the inputs (ragged lengths included)."""
+    import ab_trees
+
+    from tuner.measure import make_inputs
+
+    for spec in (ShapeSpec(batch_size=5, kv_len=700, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                           ragged=True),
+                 ShapeSpec(batch_size=3, kv_len=300, num_qo_heads=4, num_kv_heads=4, head_dim=64, page_size=8,
+                           kv_dtype="float8_e4m3fn")):
+        sets = make_inputs(spec, "cpu", seed=1)
+        picked = ab_trees.plan_calls(tsdecode, spec, sets)[1].kernel_config.to_dict()
+        assert ab_trees.metadata_pick(tsdecode, spec, torch.device("cpu")) == picked
+        if spec.ragged:  # the shape's lengths decide: equal ones would be picked otherwise
+            equal = ab_trees.metadata_pick(tsdecode, dataclasses.replace(spec, ragged=False), torch.device("cpu"))
+            assert equal != picked
 
 
 def test_tree_a_b_rotates_the_order_and_pairs_each_round(monkeypatch):
