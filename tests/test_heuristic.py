@@ -1360,6 +1360,22 @@ def test_long_requests_split_into_about_four_waves():
     assert heuristic_config(make_shape(128, 65536, kv_len_spread=16.0), H200).num_kv_splits == 6
 
 
+def test_equal_programs_whose_busiest_sm_holds_the_target_unsplit_weigh_one_split():
+    """B=128 x Hkv=8 = 1024 one-warp programs of a 16-bit cache over 132 SMs: 7.76 an SM on the
+    mean, under the target of 8, but ceil(1024 / 132) = 8 on the busiest SM, the target: the long
+    rule's count is weighed against one split by the clock, which at 8192 tokens takes one split
+    (the H200 timings' tuning-grid shape: one split 1.022x the best, six splits 1.035x); at
+    65536 tokens the long count's six still win on the clock."""
+    shape = make_shape(128, 8192)
+    occ = occupancy(shape, H200)
+    assert (occ.base_programs, occ.target) == (1024, 8) and occ.base_programs < occ.target * 132
+    assert math.ceil(occ.base_programs / 132) == occ.target
+    assert heuristic_config(shape, H200).num_kv_splits == 1
+    assert heuristic_config(make_shape(128, 65536), H200).num_kv_splits == 6
+    # fp8 programs keep the long rule's count (their schedulers, not DRAM, run out first)
+    assert heuristic_config(make_shape(128, 8192, kv_dtype=FP8), H200).num_kv_splits > 1
+
+
 def test_ragged_long_requests_split_from_a_quarter_of_the_target():
     """B=64 x Hkv=8 = 512 programs: under half the target (528), so equal lengths take the one
     wave rule's 2 splits; ragged lengths (longest / mean 1.32) reach a quarter of it (264) and
@@ -1676,7 +1692,7 @@ def test_an_unreadable_resource_csv_warns_once_and_falls_back(kind, monkeypatch,
 # lists them)): shapes whose pick was measured, geometric mean of pick / best measured, and the fraction
 # of those within 5% and within 10% of it.
 CURRENT = {
-    "T": dict(measured=171, geomean=1.0160, within5=0.906, within10=0.982),
+    "T": dict(measured=171, geomean=1.0139, within5=0.930, within10=0.982),
     "A": dict(measured=40, geomean=1.0220, within5=0.850, within10=0.950),
     "H": dict(measured=9, geomean=1.0210, within5=0.889, within10=1.000),
     "B": dict(measured=40, geomean=1.0151, within5=0.900, within10=0.950),
@@ -1687,7 +1703,7 @@ CURRENT = {
     "G": dict(measured=4, geomean=1.0140, within5=1.000, within10=1.000),
     "I": dict(measured=40, geomean=1.0193, within5=0.900, within10=0.975),
     "J": dict(measured=40, geomean=1.0192, within5=0.825, within10=0.950),
-    "K": dict(measured=40, geomean=1.0163, within5=0.850, within10=0.950),
+    "K": dict(measured=40, geomean=1.0150, within5=0.875, within10=0.950),
     "L": dict(measured=40, geomean=1.0241, within5=0.850, within10=0.975),
     "M": dict(measured=40, geomean=1.0078, within5=0.950, within10=1.000),
     "N": dict(measured=40, geomean=1.0098, within5=0.950, within10=0.975),

@@ -145,11 +145,11 @@ def _long_request_splits(shape: ProblemShape, occ: Occupancy, splits: int, sms: 
         long_splits -= 1  # a last wave that few programs use costs a whole wave
     balanced = long_splits > splits
     splits = max(splits, long_splits)
-    if (balanced and occ.family == "lean" and base >= occ.target * sms
+    if (balanced and occ.family == "lean" and math.ceil(base / sms) >= occ.target
             and shape.kv_len_spread < RAGGED_SPREAD and shape.kv_dtype.itemsize > 1):
-        # One-warp programs of equal lengths of a 16-bit cache that reach the target unsplit end
-        # together, and DRAM, not an SM, bounds their waves: the balance buys nothing unless the
-        # count takes less time than one split.
+        # One-warp programs of equal lengths of a 16-bit cache that unsplit give their busiest SM
+        # the target (its ceil of the programs an SM) end together, and DRAM, not an SM, bounds
+        # their waves: the balance buys nothing unless the count takes less time than one split.
         if _time(shape, occ, 1, sms) <= _time(shape, occ, splits, sms):
             return 1, False
     return splits, balanced
