@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..device import DeviceProperties
-from .family import LEAN_DEEP_MIN_ROWS
+from .family import IN_FLIGHT_BYTES_PER_SM, LEAN_DEEP_MIN_ROWS
 from .residency import REGISTER_SUB_PARTITIONS, resident_programs_per_sm
 from .space import BLOCK_N_CHOICES, MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape
 
@@ -118,6 +118,12 @@ def _fit_one_wave(config: KernelConfig, shape: ProblemShape, device: DevicePrope
     return smaller if one_wave(smaller) else config
 
 
+def smaller_tile_fits_one_wave(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> bool:
+    """Whether ``_fit_one_wave`` gives one split's programs of ``config`` (past one wave) the
+    LEAN_FIT_TOKENS-token tile, which holds them in one wave."""
+    return _fit_one_wave(config, shape, device).block_n < config.block_n
+
+
 def _one_split_depth(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
     """One-split programs of 16-bit one-warp tiles inside pages with fewer than LEAN_DEEP_MIN_ROWS
     query rows (three stages from step 1, one tile in flight) take ONE_SPLIT_STAGES where their
@@ -142,16 +148,27 @@ def _half_wave_tiles(config: KernelConfig, shape: ProblemShape, device: DevicePr
     programs of HALF_WAVE_STAGES stages fill more than half the SMs' room for them, but no more
     than half the room for LEAN_FIT_TOKENS-token tiles, take those tiles: their SMs then hold at
     most half the programs that fit, which measured faster where each program runs a chain of a
-    few tiles (a program of fewer stages, one tile in flight, loses more by the smaller tile)."""
-    if (config.block_n <= LEAN_FIT_TOKENS or config.num_stages != HALF_WAVE_STAGES
+    few tiles (a program of fewer stages, one tile in flight, loses more by the smaller tile).
+    Where the tile is LEAN_FIT_TOKENS tokens already, the smaller footprint is LEAN_FIT_STAGES
+    stages (as in ``_fit_one_wave``), taken only where an SM's programs (ceil(programs / SMs))
+    keep IN_FLIGHT_BYTES_PER_SM loading at the one tile in flight each of those stages: a second
+    tile in flight then buys nothing."""
+    if (config.num_stages != HALF_WAVE_STAGES
             or shape.kv_dtype.itemsize == 1 or shape.kv_len_spread >= RAGGED_SPREAD
             or shape.max_visible_tiles(1) > HALF_WAVE_MAX_TOKENS):
         return config
-    smaller = dataclasses.replace(config, block_n=LEAN_FIT_TOKENS)
+    programs = shape.programs(config.block_m)
+    if config.block_n > LEAN_FIT_TOKENS:
+        smaller = dataclasses.replace(config, block_n=LEAN_FIT_TOKENS)
+    else:  # the smallest tile already: fewer buffers, where one tile in flight a program keeps the loads
+        tile_bytes = 2 * config.block_n * shape.block_d * shape.kv_dtype.itemsize  # a K and a V tile
+        in_flight = -(-programs // device.sm_count) * (LEAN_FIT_STAGES - 1) / 2 * tile_bytes
+        if in_flight < IN_FLIGHT_BYTES_PER_SM:
+            return config
+        smaller = dataclasses.replace(config, num_stages=LEAN_FIT_STAGES)
 
     def room(candidate: KernelConfig) -> int:  # the programs one wave holds
         return resident_programs_per_sm(candidate, shape, device, one_split=True) * device.sm_count
-    programs = shape.programs(config.block_m)
     return smaller if room(config) < 2 * programs <= room(smaller) else config
 
 

@@ -32,7 +32,7 @@ import math
 from ..device import DeviceProperties
 from .family import IN_FLIGHT_BYTES_PER_SM, Occupancy
 from .partials import merge_cost, merge_read_bytes, partials_bound
-from .programs import SCHEDULERS_PER_SM
+from .programs import SCHEDULERS_PER_SM, smaller_tile_fits_one_wave
 from .space import MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape
 
 # Long requests: about FULL_WAVES waves of splits of at least MIN_TOKENS_PER_LONG_SPLIT tokens
@@ -98,7 +98,8 @@ def _wave_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) 
         return 1 if tiles == 1 else tiles
     splits = _one_wave_of_target(shape, occ, tiles, sms)
     splits, balanced = _long_request_splits(shape, occ, splits, sms)
-    if splits == 1 and occ.base_programs > occ.resident_one_split * sms:
+    if (splits == 1 and occ.base_programs > occ.resident_one_split * sms
+            and not _one_wave_at_smaller_tile(shape, occ, device)):
         splits = _fullest_waves(occ.base_programs, occ, tiles, sms)
     splits = min(splits, MAX_NUM_KV_SPLITS)
     if occ.family == "wide":
@@ -106,6 +107,16 @@ def _wave_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) 
     if splits > 1 and occ.config.num_warps == 1 and not balanced:
         return _least_time_count(shape, occ, splits, sms)
     return splits
+
+
+def _one_wave_at_smaller_tile(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) -> bool:
+    """Whether one-split lean programs of a 16-bit cache that spill past one wave fit it with step
+    4's smaller tile (``programs.smaller_tile_fits_one_wave``): the one wave rule then holds at one
+    split, and step 4 takes that tile, so the waves ``_fullest_waves`` would balance never run. An
+    fp8 cache's one-warp programs keep their waves, which keep the schedulers converting (as the
+    long rule's FP8_LONG_TARGET_DIVISOR)."""
+    return (occ.family == "lean" and shape.kv_dtype.itemsize > 1
+            and smaller_tile_fits_one_wave(occ.config, shape, device))
 
 
 def _one_wave_of_target(shape: ProblemShape, occ: Occupancy, tiles: int, sms: int) -> int:
