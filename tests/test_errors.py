@@ -989,3 +989,31 @@ def test_a_cuda_device_on_a_machine_without_one(device):
         plan(device=device)
     with pytest.raises(ValueError, match="is a CUDA device, but torch finds none"):
         tsdecode.get_prims_ts_batch_decode_workspace_size(2, 8, 2, 64, 16, 40, device=device)
+
+
+def test_cpu_tensors_to_the_oneshot_name_q_device_in_both_forms(inp, monkeypatch):
+    """Without the interpreter, CPU tensors to the one-shot op are refused naming q.device, the
+    device the op runs on, in the capturable form as in the default one (not a plan's "device")."""
+    if DEVICE.type == "cuda":
+        pytest.skip("checks the CPU path")
+    monkeypatch.setattr(tsdecode.api, "INTERPRETER", False)  # as if triton compiled for a GPU
+    monkeypatch.setattr(tsdecode.oneshot, "INTERPRETER", False)
+    workspace = torch.empty(1 << 20, dtype=torch.uint8)
+    for kw in ({}, dict(out=torch.empty_like(inp.q), workspace_buffer=workspace, max_kv_len=64, validate=False)):
+        with pytest.raises(ValueError, match=r"^q\.device must be a CUDA device .*, got cpu$"):
+            oneshot(inp, **kw)
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(max_seq_len=0), "max_seq_len must be >= 1, got 0"),
+    (dict(max_seq_len=1 << 40), "max_seq_len must be <= "),
+    (dict(max_seq_len=40, seq_len_q=0), "seq_len_q must be >= 1, got 0"),
+    (dict(batch_size=0, max_seq_len=40), "batch_size must be >= 1, got 0"),
+])
+def test_the_workspace_size_names_its_own_arguments(kw, pattern):
+    """get_prims_ts_batch_decode_workspace_size's errors name its arguments (max_seq_len, not the
+    plan's max_kv_len)."""
+    args = dict(batch_size=2, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, device=DEVICE)
+    args.update(kw)
+    with pytest.raises((ValueError, NotImplementedError), match=re.escape(pattern)):
+        tsdecode.get_prims_ts_batch_decode_workspace_size(**args)

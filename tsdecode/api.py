@@ -157,14 +157,18 @@ def capturing(device: torch.device) -> bool:
 
 def plan_problem(device, batch_size, num_qo_heads, num_kv_heads, head_dim, page_size, max_kv_len,
                  max_seq_len_q, packed_query, q_data_type, kv_data_type, o_data_type, mask_type, window_left,
-                 names=("q_data_type", "kv_data_type", "o_data_type")) -> tuple[torch.device, ProblemShape]:
-    """Validate the plan arguments into a device and a ProblemShape (kv_len_spread 1)."""
-    device = V.validate_device(device, INTERPRETER)
+                 names=("q_data_type", "kv_data_type", "o_data_type"),
+                 size_names=("batch_size", "max_kv_len", "max_seq_len_q"),
+                 device_name="device") -> tuple[torch.device, ProblemShape]:
+    """Validate the plan arguments into a device and a ProblemShape (kv_len_spread 1); ``names``
+    (the dtypes), ``size_names`` (batch size, K/V and query capacities) and ``device_name``: what
+    the caller called them, for the errors."""
+    device = V.validate_device(device, INTERPRETER, device_name)
     V.require_int("batch_size", batch_size, minimum=1)
     num_qo_heads, num_kv_heads, head_dim, page_size = V.validate_heads(num_qo_heads, num_kv_heads,
                                                                        head_dim, page_size)
     batch_size, max_kv_len, max_seq_len_q = V.validate_sizes(batch_size, max_kv_len, max_seq_len_q, num_qo_heads,
-                                                             head_dim=head_dim)
+                                                             size_names, head_dim=head_dim)
     packed = V.require_bool("packed_query", packed_query)
     causal, window_left = V.validate_mask(mask_type, window_left)
     q_dtype, kv_dtype, o_dtype = V.resolve_dtypes(q_data_type, kv_data_type, o_data_type, names)
@@ -234,7 +238,8 @@ def get_prims_ts_batch_decode_workspace_size(
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     device, shape = plan_problem(device, batch_size, num_qo_heads, num_kv_heads, head_dim, page_size,
                                  max_seq_len, sq, packed, q_dtype, kv_dtype, out_dtype, mask_type, window_left,
-                                 ("q_dtype", "kv_dtype", "out_dtype"))
+                                 ("q_dtype", "kv_dtype", "out_dtype"),
+                                 ("batch_size", "max_seq_len", "max_seq_len_q" if packed else "seq_len_q"))
     selected = select_config(shape, device_properties(device))
     return W.workspace_bytes(shape, selected.kernel_config.num_kv_splits)
 

@@ -95,7 +95,8 @@ def batch_decode_with_paged_kv_cache(
     if capture_mode:  # a plan of run-owned lengths, made here (plan() refuses a capture) from host values only
         device, shape = api.plan_problem(device, batch, num_qo_heads, num_kv_heads, head_dim, page_size,
                                          max_kv_len, sq, packed, q.dtype, kv_dtype, out_dtype, mask_type,
-                                         window_left, ("q", "paged_kv_cache", out_name))
+                                         window_left, ("q", "paged_kv_cache", out_name),
+                                         _size_names(packed, max_kv_len), "q.device")
         plan = api.make_plan(device, shape, None, workspace_buffer, None)
         if device.type == "cuda":
             with api.on_device(device):  # finds the kernels the call outside the capture compiled
@@ -133,7 +134,8 @@ def batch_decode_with_paged_kv_cache(
     device, shape = api.plan_problem(device, batch, num_qo_heads, num_kv_heads, head_dim, page_size,
                                      max(lens) if max_kv_len is None else max_kv_len, sq, packed, q.dtype,
                                      kv_dtype, out_dtype, mask_type, window_left,
-                                     ("q", "paged_kv_cache", out_name))
+                                     ("q", "paged_kv_cache", out_name), _size_names(packed, max_kv_len),
+                                     "q.device")
     V.validate_metadata_values(shape, lens, indptr, min_page, max_page, block_tables.shape[1], num_pages,
                                q.shape[0] if packed else batch * sq, "seq_lens_kv")
     plan = api.make_plan(device, shape, tuple(lens), workspace_buffer, None)
@@ -164,6 +166,12 @@ def _oneshot_batch_size(q, block_tables, seq_lens_kv, qo_indptr, packed: bool) -
     if counts[0][0] < 1:
         raise ValueError(f"the batch must hold at least one request: {counts[0][1]}")
     return counts[0][0]
+
+
+def _size_names(packed: bool, max_kv_len) -> tuple[str, str, str]:
+    """What the op's errors call the batch size and the two capacities: the arguments they came from."""
+    return ("the batch size (block_tables' rows)", "max(seq_lens_kv)" if max_kv_len is None else "max_kv_len",
+            "max_seq_len_q" if packed else "seq_len_q")
 
 
 def _oneshot_query_mode(q: torch.Tensor, seq_len_q, qo_indptr, max_seq_len_q, capture_mode: bool):
