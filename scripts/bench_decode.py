@@ -32,7 +32,7 @@ import tsdecode  # noqa: E402
 from tsdecode.config.heuristic import heuristic_config  # noqa: E402
 from tsdecode.config.space import KernelConfig, fit_config  # noqa: E402
 from tsdecode.device import DeviceProperties, device_properties  # noqa: E402
-from tsdecode.kernels.launch import DecodeLaunch, allocate_scratch, pdl_supported  # noqa: E402
+from tsdecode.kernels.launch import DecodeLaunch, allocate_partials, pdl_supported  # noqa: E402
 from tsdecode.reference import reference_decode  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
 from tuner.measure import (  # noqa: E402
@@ -222,8 +222,8 @@ def relaunch(w: tsdecode.BatchDecodePagedTSWrapper, launch_type: type = DecodeLa
     config = plan.selected.kernel_config
     if options.get("transposed") and not config.uses_dot:
         raise ValueError(f"the transposed product form needs tl.dot (block_m >= 16), got {config}")
-    scratch = allocate_scratch(plan.shape, config, plan.query_capacity, plan.device)
-    launch = launch_type(plan.shape, config, plan.query_capacity, plan.device, scratch, **options)
+    partials = allocate_partials(plan.shape, config, plan.query_capacity, plan.device)
+    launch = launch_type(plan.shape, config, plan.query_capacity, plan.device, partials, **options)
     if plan.device.type == "cuda":
         with torch.cuda.device(plan.device):
             launch.compile(plan.q_shape(plan.query_capacity))

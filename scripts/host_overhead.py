@@ -76,7 +76,7 @@ if not torch.cuda.is_available():  # before triton is imported: the kernels run 
 import triton  # noqa: E402
 
 import tsdecode  # noqa: E402
-from tsdecode.kernels.launch import DecodeLaunch, allocate_scratch, clear_compiled_cache  # noqa: E402
+from tsdecode.kernels.launch import DecodeLaunch, allocate_partials, clear_compiled_cache  # noqa: E402
 from tsdecode.kernels.metadata import read_metadata  # noqa: E402
 from tuner.grids import ShapeSpec  # noqa: E402
 from tuner.measure import graph_time_us, make_inputs  # noqa: E402
@@ -168,7 +168,7 @@ def this_tree_rows(s, splits: int, dev, n: int, plan_n: int, compiled: bool) -> 
                  lambda: plan.launch(q, cache, out, bt, plan.seq_lens, None, scale, 1.0), n))
     # A launcher of the same plan that never keeps compiled kernels: triton's dispatch every call.
     dispatch = DecodeLaunch(plan.shape, plan.selected.kernel_config, plan.query_capacity, plan.device,
-                            allocate_scratch(plan.shape, plan.selected.kernel_config, plan.query_capacity,
+                            allocate_partials(plan.shape, plan.selected.kernel_config, plan.query_capacity,
                                              plan.device))
     if hasattr(dispatch, "_direct_broken"):
         dispatch._direct_broken = True

@@ -87,9 +87,9 @@ def launch_arguments(shape: ProblemShape, config: KernelConfig, transposed: bool
     sq = shape.max_seq_len_q
     # q and out contiguous, (batch, token, head) strides: [B, Hq, D], or [B, SQ, Hq, D]
     q_strides = (hq * d, 0, d) if sq == 1 else (sq * hq * d, hq * d, d)
-    scratch = None
+    partials = None
     if splits > 1:
-        scratch = partial_o, partial_lse = launch.allocate_scratch(shape, config, total_q, torch.device("cpu"))
+        partials = partial_o, partial_lse = launch.allocate_partials(shape, config, total_q, torch.device("cpu"))
         po_strides, lse_strides = partial_o.stride()[:3], partial_lse.stride()[:2]
     else:
         partial_o = partial_lse = torch.empty(1, dtype=shape.o_dtype)
@@ -107,7 +107,7 @@ def launch_arguments(shape: ProblemShape, config: KernelConfig, transposed: bool
         stride_bt_row=BLOCK_TABLE_COLUMNS, stride_po_tok=po_strides[0], stride_po_head=po_strides[1],
         stride_po_split=po_strides[2], stride_lse_tok=lse_strides[0], stride_lse_head=lse_strides[1],
     )
-    plan = launch.DecodeLaunch(shape, config, total_q, torch.device("cpu"), scratch, transposed=transposed)
+    plan = launch.DecodeLaunch(shape, config, total_q, torch.device("cpu"), partials, transposed=transposed)
     # the launcher's own constexprs, as on sm90: PDL on (it is off for a CPU device), no interpreter
     constexprs = dict(plan._split_constexprs, USE_PDL=True, DOT_FP32=False)
     return values, constexprs

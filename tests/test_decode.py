@@ -568,7 +568,7 @@ def test_the_users_table_cache_is_isolated(fresh_tables):
     import os
     import tempfile
 
-    user_dir = fresh_tables.user_config_dir().resolve()
+    user_dir = fresh_tables.user_tables_dir().resolve()
     session = os.path.realpath(os.environ["XDG_CACHE_HOME"])
     assert str(user_dir).startswith(session) and session.startswith(os.path.realpath(tempfile.gettempdir()))
     assert "TSDECODE_CONFIG_DIR" not in os.environ

@@ -357,7 +357,7 @@ def test_splits_never_spill_into_a_second_wave_outside_the_long_rule_and_the_men
     one split already passed a wave, or the count that fits one wave fills less than
     WAVE_SATURATION of it (both: the wave-mend); past one wave, long-rule splits keep >= 1024
     tokens of the mean request each (256 ragged) and stop at about FULL_WAVES waves; mended
-    splits stay <= MAX_MEND_SPLITS. The target is the one that set the count (``counted_occupancy``)."""
+    splits stay <= FULLEST_WAVES_MAX_SPLITS. The target is the one that set the count (``counted_occupancy``)."""
     sms = device.sm_count
     past_one_wave = 0
     for shape in SWEEP:
@@ -382,7 +382,7 @@ def test_splits_never_spill_into_a_second_wave_outside_the_long_rule_and_the_men
         assert long_rule or mended, (shape, config, occ)
         mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
         if mended:
-            assert splits <= S.MAX_MEND_SPLITS, (shape, config, occ)
+            assert splits <= S.FULLEST_WAVES_MAX_SPLITS, (shape, config, occ)
         else:
             assert splits * min_tokens <= mean_tokens, (shape, config, occ)
             assert base * (splits - 1) < S.FULL_WAVES * occ.resident * sms, (shape, config, occ)

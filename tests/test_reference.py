@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from tsdecode.reference import reference_decode
@@ -74,3 +75,14 @@ def test_columns_past_the_live_pages_are_not_read():
     q = torch.tensor([[[1.0, 1.0]]], dtype=torch.float64)
     lens = torch.tensor([2])
     assert torch.equal(reference_decode(q, cache, padded, lens), reference_decode(q, cache, table, lens))
+
+
+def test_seq_len_q_must_agree_with_q():
+    """The layout comes from q's rank: a seq_len_q that says otherwise is refused, not ignored
+    (a 3-D q with seq_len_q=2 was read as one query token)."""
+    cache, table = _cache([[0.0, 0.0]] * 4, [[1.0, 0.0]] * 4)
+    lens = torch.tensor([4])
+    with pytest.raises(ValueError, match=r"seq_len_q=2 disagrees with q's shape \[1, 1, 2\]"):
+        reference_decode(torch.zeros(1, 1, 2, dtype=torch.float64), cache, table, lens, seq_len_q=2)
+    with pytest.raises(ValueError, match=r"seq_len_q=3 disagrees with q's shape \[1, 2, 1, 2\]"):
+        reference_decode(torch.zeros(1, 2, 1, 2, dtype=torch.float64), cache, table, lens, seq_len_q=3)

@@ -206,7 +206,7 @@ def test_report_without_out_writes_under_the_user_cache(tmp_path, monkeypatch, c
 
     assert main(["report", "--preset", "smoke", "--filter", "^B1_L40_", "--impls", "heuristic"]) == 0
     printed = capsys.readouterr().out
-    root = tables.user_config_dir().parent / "reports" / "cpu-triton-interpreter"
+    root = tables.user_tables_dir().parent / "reports" / "cpu-triton-interpreter"
     (folder,) = root.iterdir()
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d{6}Z", folder.name)
     assert sorted(p.name for p in folder.iterdir()) == ["report.html", "results.csv"]

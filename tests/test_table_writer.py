@@ -94,7 +94,7 @@ def test_written_file_follows_the_format(tmp_path):
 def test_the_cpu_table_goes_to_the_user_cache_where_cpu_plans_find_it(tmp_path):
     cpu = device_properties("cpu")
     path = table_writer.table_path(cpu)
-    assert path == tables.user_config_dir() / "cpu_Triton_interpreter.json"
+    assert path == tables.user_tables_dir() / "cpu_Triton_interpreter.json"
     assert str(path).startswith(str(tmp_path / "xdg"))
     merge_entries(path, cpu, {KEY: {(64, 8192): make_entry(8)}}, {})
     hit = tables.lookup(make_shape(), cpu)

@@ -150,12 +150,12 @@ def test_buckets_are_powers_of_two_rounded_up():
 
 def test_twin_class_key_swaps_float16_and_bfloat16():
     fp16 = tables.problem_class_key(make_shape(**FP16))
-    assert tables.sibling_class_key(KEY) == fp16 and tables.sibling_class_key(fp16) == KEY
+    assert tables.twin_class_key(KEY) == fp16 and tables.twin_class_key(fp16) == KEY
     mixed = tables.problem_class_key(make_shape(kv_dtype=torch.float8_e4m3fn, o_dtype=torch.float32))
-    assert tables.sibling_class_key(mixed).startswith("q=float16,kv=float8_e4m3fn,o=float32,")
+    assert tables.twin_class_key(mixed).startswith("q=float16,kv=float8_e4m3fn,o=float32,")
     none16 = tables.problem_class_key(make_shape(q_dtype=torch.float8_e4m3fn, kv_dtype=torch.float8_e4m3fn,
                                                  o_dtype=torch.float32))
-    assert tables.sibling_class_key(none16) is None
+    assert tables.twin_class_key(none16) is None
 
 
 @pytest.mark.parametrize("name, filename", [
@@ -335,7 +335,7 @@ def test_search_order(tmp_path, user_dir, monkeypatch):
     one = write(tmp_path / "one", num_warps=1)
     assert tables.lookup(shape, H200, config_dir=one).table_path == str(one)
     # the user cache folder is platformdirs' (here under XDG_CACHE_HOME)
-    assert tables.user_config_dir() == user_dir
+    assert tables.user_tables_dir() == user_dir
 
 
 def test_exact_bucket_lookup_only(tmp_path, caplog):
@@ -539,9 +539,9 @@ def test_a_table_changed_with_its_old_times_put_back_is_found_on_a_coarse_filesy
 def test_the_user_cache_folder_follows_xdg_cache_home(tmp_path, monkeypatch):
     """The user cache folder is kept per value of the variables platformdirs reads."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "one"))
-    first = tables.user_config_dir()
+    first = tables.user_tables_dir()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "two"))
-    assert tables.user_config_dir() == tmp_path / "two" / "tsdecode" / "tuned_configs"
+    assert tables.user_tables_dir() == tmp_path / "two" / "tsdecode" / "tuned_configs"
     assert first == tmp_path / "one" / "tsdecode" / "tuned_configs"
     write(tmp_path / "two" / "tsdecode" / "tuned_configs", num_warps=8)
     assert warps(tables.lookup(make_shape(), H200)) == 8

@@ -267,7 +267,7 @@ def test_smoke_tune_writes_the_user_cache_table_that_plans_then_use(in_smoke_cac
     CPU included) search without being told; the run's last lines say so."""
     smoke = in_smoke_cache
     assert smoke.rc == 0, smoke.err
-    assert smoke.table == tables.user_config_dir() / "cpu_Triton_interpreter.json"
+    assert smoke.table == tables.user_tables_dir() / "cpu_Triton_interpreter.json"
     table = tables.load_table(smoke.table)
     assert table is not None and not table.skipped and not table.stale
     specs = PRESETS["smoke"]
@@ -376,7 +376,7 @@ def test_out_folder_says_how_to_point_the_runtime_at_it(tmp_path, monkeypatch):
     last = err.strip().splitlines()[-1]
     assert err.strip().splitlines()[-2] == f"table: {table}"
     assert f"set TSDECODE_CONFIG_DIR={out.resolve()}" in last and "plans do not search" in last
-    assert not tables.user_config_dir().exists()  # nothing in the user cache
+    assert not tables.user_tables_dir().exists()  # nothing in the user cache
     w, _ = _plan_and_run(ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64))
     assert w.config.source == "heuristic"
     explain = ["explain", "--batch-size", "1", "--kv-len", "40", "--heads", "4:2", "--head-dim", "64"]
@@ -1228,7 +1228,7 @@ def test_cli_errors_exit_2_with_a_message(argv, message, capsys, tmp_path):
     assert main(argv + ["--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and err.count("\n") == 1
-    assert not (tmp_path / "out").exists() and not tables.user_config_dir().exists()  # nothing written
+    assert not (tmp_path / "out").exists() and not tables.user_tables_dir().exists()  # nothing written
 
 
 MEMORY = "names no database file (an in-memory database keeps nothing to resume or share with other workers)"
@@ -1258,7 +1258,7 @@ def test_empty_values_and_in_memory_storages_are_refused(argv, message, tmp_path
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and "Traceback" not in err, err
-    assert not (tmp_path / "out").exists() and not tables.user_config_dir().exists()
+    assert not (tmp_path / "out").exists() and not tables.user_tables_dir().exists()
     assert sorted(p.name for p in (tmp_path / "cwd").rglob("*")) == ["sub"]
 
 
@@ -1485,7 +1485,7 @@ def test_only_a_run_of_the_smoke_preset_alone_gets_the_smoke_note():
 def test_the_closing_lines_say_when_the_config_dir_shadows_the_new_table(tmp_path, monkeypatch):
     from tuner.run import where_the_table_is_used
 
-    table = tables.user_config_dir() / "cpu_Triton_interpreter.json"
+    table = tables.user_tables_dir() / "cpu_Triton_interpreter.json"
     spec = ShapeSpec(1, 40, num_qo_heads=4, num_kv_heads=2, head_dim=64)
     monkeypatch.delenv(tables.CONFIG_DIR_ENV, raising=False)
     assert where_the_table_is_used(table, spec)[1].startswith("plans on this device use it from now on")
@@ -1821,7 +1821,7 @@ def test_gpu_smoke_tuning_end_to_end(tmp_path, monkeypatch):
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     props = device_properties("cuda")
-    table_path = tables.user_config_dir() / tables.table_filename(props.name)
+    table_path = tables.user_tables_dir() / tables.table_filename(props.name)
     table = tables.load_table(table_path)
     assert table is not None and table.device.name == props.name
     assert f"{props.sm_count} SMs" in r.stderr and "plans on this device use it from now on" in r.stderr
@@ -1830,7 +1830,7 @@ def test_gpu_smoke_tuning_end_to_end(tmp_path, monkeypatch):
     entries = [e for b in table.entries.values() for e in b.values()]
     assert len(entries) == len(PRESETS["smoke"])
     assert all(e.fraction_of_copy is not None and e.fraction_of_copy > 0 for e in entries)
-    _check_log_matches_storage(tables.user_config_dir().parent / "tuning")
+    _check_log_matches_storage(tables.user_tables_dir().parent / "tuning")
     for spec in PRESETS["smoke"]:
         w, err = _plan_and_run(spec, "cuda")
         assert w.config.source == "table", str(w.config)
@@ -1912,3 +1912,24 @@ def test_asked_split_counts_are_capped_at_the_shapes_tile_count():
     asked = space.SpaceLimits(block_n=(16, 32), num_kv_splits=(1, 2, 8, 64))
     assert set(space.build_space(shape, 132, asked, default)["num_kv_splits"]) - {default.num_kv_splits} <= {1, 2, 3}
     assert 3 in space.build_space(shape, 132, asked, default)["num_kv_splits"]  # 48 / 16 tiles
+
+
+def test_trials_csv_names_the_error_rel_error_for_old_logs_too(tmp_path):
+    """The trials CSV calls a trial's error against the reference rel_error, as the reports do; a
+    log written before the rename (rel_err) still fills that column."""
+    from tuner import study as S
+
+    log = tmp_path / "t_trials.jsonl"
+    base = {"kind": "trial", "study": "s", "class_key": "k", "bucket": [1, 128], "state": "COMPLETE",
+            "config": {"block_n": 16, "block_m": 16, "num_kv_splits": 1, "num_warps": 1, "num_stages": 3},
+            "time_us": 5.0, "bandwidth_gbs": 1.0, "fraction_of_copy": 0.5, "specs": ["a"]}
+    log.write_text(json.dumps({**base, "trial": 0, "rel_err": 0.002}) + "\n"
+                   + json.dumps({**base, "trial": 1, "rel_error": 0.003}) + "\n")
+    out = tmp_path / "t_trials.csv"
+    assert S.write_trials_csv(log, out) == 2
+    import pandas as pd
+
+    frame = pd.read_csv(out)
+    assert "rel_err" not in frame.columns
+    assert frame["rel_error"].tolist() == [0.002, 0.003]
+    assert list(frame.columns).index("rel_error") == list(frame.columns).index("fraction_of_copy") + 1

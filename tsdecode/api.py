@@ -202,8 +202,8 @@ def make_plan(device, shape: ProblemShape, host_lens: tuple[int, ...] | None, wo
     seq_lens = None
     if host_lens is not None:
         seq_lens = torch.tensor(host_lens, dtype=torch.int32).to(device)
-    scratch = W.scratch_views(workspace, shape, selected.kernel_config.num_kv_splits)
-    launch = DecodeLaunch(shape, selected.kernel_config, shape.batch_size * shape.max_seq_len_q, device, scratch)
+    partials = W.partials_views(workspace, shape, selected.kernel_config.num_kv_splits)
+    launch = DecodeLaunch(shape, selected.kernel_config, shape.batch_size * shape.max_seq_len_q, device, partials)
     return _Plan(shape, device, selected, shape.batch_size * shape.max_seq_len_q, host_lens, seq_lens,
                  workspace, launch)
 
@@ -315,7 +315,7 @@ class BatchDecodePagedTSWrapper:
         mask_type, window_left : "dense" or "causal"; a window (>= 0) needs causal.
         seq_lens : host lengths (a sequence or a CPU tensor of B values): the plan owns them and
             every run passes ``seq_lens=None``. None: each run passes a CUDA int32 tensor.
-        workspace_buffer : int8/uint8 scratch on ``device``, 32-byte aligned, at least
+        workspace_buffer : int8/uint8 memory on ``device``, 32-byte aligned, at least
             ``get_prims_ts_batch_decode_workspace_size`` bytes; allocated here if omitted.
         config : (tsdecode) an explicit ``KernelConfig`` instead of the table or heuristic.
 

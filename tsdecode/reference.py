@@ -28,8 +28,13 @@ def reference_decode(
 ) -> torch.Tensor:
     """Attention output in ``compute_dtype`` with q's shape ([B,Hq,D], [B,SQ,Hq,D] or packed).
 
-    Inputs are taken as given (no validation beyond what indexing enforces).
+    The query layout comes from q's rank and ``qo_indptr``; ``seq_len_q`` must agree with it (a
+    4-D q's SQ, 1 for a 3-D q without ``qo_indptr``). Inputs are otherwise taken as given (no
+    validation beyond what indexing enforces).
     """
+    if qo_indptr is None and seq_len_q != (q.shape[1] if q.dim() == 4 else 1):
+        raise ValueError(f"seq_len_q={seq_len_q} disagrees with q's shape {list(q.shape)} "
+                         f"([B, SQ, Hq, D] carries SQ; [B, Hq, D] is one query token)")
     if isinstance(paged_kv_cache, (tuple, list)):
         k_cache, v_cache = paged_kv_cache
     else:

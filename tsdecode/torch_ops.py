@@ -7,7 +7,7 @@ nothing; its fake (meta) implementation does nothing, the output's shape being q
 are the eager functions, run with real tensors when the graph runs.
 
 Defined with ``torch.library.Library`` rather than ``torch.library.custom_op``: the latter's
-Python wrapper costs ~50 us a call on a 2-core CPU host, the dispatcher's own path ~3 us.
+Python wrapper costs a call many times the dispatcher's own path (docs/perf-notes.md).
 """
 
 import torch
@@ -15,7 +15,7 @@ import torch
 from . import api, oneshot
 
 # Inductor's CUDA graphs (mode="reduce-overhead") leave these ops out of their captures: a
-# capture would keep a plan's kernels and scratch past a re-plan, and the one-shot op reads the
+# capture would keep a plan's kernels and split partials past a re-plan, and the one-shot op reads the
 # lengths on the host. run() itself stays capturable with torch.cuda.graph after plan(). The tag
 # exists from torch 2.9; before it, run_planned refuses a capture instead (a stale replay would
 # be silent).

@@ -16,7 +16,7 @@ from . import memory as M
 from . import validation as V
 from .config.select import SelectedConfig
 from .config.space import ProblemShape, fit_config
-from .kernels.launch import split_scratch_shape
+from .kernels.launch import partials_shape
 
 WORKSPACE_SECTION_ALIGNMENT = 256  # bytes; each section of the workspace starts at a multiple
 WORKSPACE_BASE_ALIGNMENT = 32  # bytes; a caller's workspace_buffer must start at a multiple
@@ -27,8 +27,8 @@ def workspace_bytes(shape: ProblemShape, num_kv_splits: int) -> int:
     if num_kv_splits == 1:
         return 0
     align = WORKSPACE_SECTION_ALIGNMENT
-    o_shape, lse_shape = split_scratch_shape(shape.batch_size * shape.max_seq_len_q, shape.num_qo_heads,
-                                             num_kv_splits, shape.head_dim)
+    o_shape, lse_shape = partials_shape(shape.batch_size * shape.max_seq_len_q, shape.num_qo_heads,
+                                        num_kv_splits, shape.head_dim)
     return sum(-(-4 * _numel(s) // align) * align for s in (o_shape, lse_shape))
 
 
@@ -39,13 +39,13 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def scratch_views(workspace: torch.Tensor, shape: ProblemShape,
-                  num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def partials_views(workspace: torch.Tensor, shape: ProblemShape,
+                   num_kv_splits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The partials' float32 views into ``workspace`` (None with one split)."""
     if num_kv_splits == 1:
         return None
-    o_shape, lse_shape = split_scratch_shape(shape.batch_size * shape.max_seq_len_q, shape.num_qo_heads,
-                                             num_kv_splits, shape.head_dim)
+    o_shape, lse_shape = partials_shape(shape.batch_size * shape.max_seq_len_q, shape.num_qo_heads,
+                                        num_kv_splits, shape.head_dim)
     align = WORKSPACE_SECTION_ALIGNMENT
     o_bytes = -(-4 * _numel(o_shape) // align) * align
     flat = workspace.view(torch.uint8).view(-1)  # any contiguous shape: its bytes in order

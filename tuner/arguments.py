@@ -79,7 +79,6 @@ def bounded(kind: type, minimum: float, strict: bool, maximum: int | None = None
     return parse
 
 
-positive_float = bounded(float, 0, strict=True)
 nonnegative_float = bounded(float, 0, strict=False)
 positive_int = bounded(int, 1, strict=False)
 nonnegative_int = bounded(int, 0, strict=False)

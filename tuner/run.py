@@ -87,12 +87,12 @@ def explain_command(spec) -> str:
 
 def where_the_table_is_used(table: Path, spec) -> list[str]:
     """The run's last lines: where the table is and how plans find it."""
-    from tsdecode.config.tables import CONFIG_DIR_ENV, user_config_dir
+    from tsdecode.config.tables import CONFIG_DIR_ENV, user_tables_dir
 
     explain = explain_command(spec)
     folder = table.parent.resolve()
     lines = [f"table: {table}"]
-    if folder == user_config_dir().resolve():
+    if folder == user_tables_dir().resolve():
         first = os.environ.get(CONFIG_DIR_ENV)
         when = (f"except for buckets that ${CONFIG_DIR_ENV}={first} (searched first) also holds"
                 if first else "from now on")
@@ -462,13 +462,13 @@ def run_tune(args, device: str) -> int:
         from .study import check_url
 
         check_url(args.storage)
-    from tsdecode.config.tables import user_config_dir
+    from tsdecode.config.tables import user_tables_dir
 
     if args.out:
         table_dir = work_dir = _folder(Path(args.out), "--out")
     else:
-        table_dir = _folder(user_config_dir(), "the user cache folder")
-        work_dir = _folder(user_config_dir().parent / "tuning", "the user cache folder")
+        table_dir = _folder(user_tables_dir(), "the user cache folder")
+        work_dir = _folder(user_tables_dir().parent / "tuning", "the user cache folder")
     _quiet_optuna()
     if cpu:
         echo("=" * 78 + "\n" + CPU_NOTE + "\n" + "=" * 78)
@@ -632,9 +632,9 @@ def run_worker(args, device: str) -> int:
     storage = _open(args.storage, must_exist=True)
     job = J.load_job(storage, args.job)
     _check_hook(args.inject_hook)
-    from tsdecode.config.tables import user_config_dir
+    from tsdecode.config.tables import user_tables_dir
 
-    work_dir = _folder(Path(args.out) if args.out else user_config_dir().parent / "tuning",
+    work_dir = _folder(Path(args.out) if args.out else user_tables_dir().parent / "tuning",
                        "--out" if args.out else "the user cache folder")
     slots = parse_devices(args.devices) if args.devices else None
     cpu = device == "cpu"
@@ -695,7 +695,7 @@ def run_worker(args, device: str) -> int:
 
 def run_export(args) -> int:
     """``tsdecode-tune export``: the job's table from what its workers found."""
-    from tsdecode.config.tables import kernel_source_hash, user_config_dir
+    from tsdecode.config.tables import kernel_source_hash, user_tables_dir
 
     from . import job as J
     from .buckets import summary_table
@@ -703,7 +703,7 @@ def run_export(args) -> int:
     _quiet_optuna()
     storage = _open(args.storage, must_exist=True)
     job = J.load_job(storage, args.job)
-    table_dir = _folder(Path(args.out) if args.out else user_config_dir(),
+    table_dir = _folder(Path(args.out) if args.out else user_tables_dir(),
                         "--out" if args.out else "the user cache folder")
     identity = J.pinned(storage, job.name)
     if identity is not None and identity.kernel_hash != kernel_source_hash():

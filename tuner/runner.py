@@ -289,7 +289,7 @@ class Measurer:
         return {
             "time_us": geomean(p["time_us"] for p in per_spec),
             "bandwidth_gbs": geomean(p["bandwidth_gbs"] for p in per_spec),
-            "per_spec": per_spec, "rel_err": max_err, "plan_s": plan_s,
+            "per_spec": per_spec, "rel_error": max_err, "plan_s": plan_s,
             "measure_s": time.perf_counter() - t_start,
         }
 

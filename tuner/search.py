@@ -216,7 +216,7 @@ FINAL_FIELDS = frozenset((
     "default_bandwidth_gbs", "kept_default", "noise", "trials_budget", "measured", "pruned", "note",
 ))
 # timeout_s: the --trial-timeout a pruned candidate ran past (a run with a larger one measures it again).
-RESULT_FIELDS = ("bandwidth_gbs", "fraction_of_copy", "rel_err", "per_spec", "compile_s", "plan_s", "measure_s",
+RESULT_FIELDS = ("bandwidth_gbs", "fraction_of_copy", "rel_error", "per_spec", "compile_s", "plan_s", "measure_s",
                  "timeout_s")
 
 
@@ -312,7 +312,8 @@ def _set_attrs(study: optuna.Study, trial_id: int, rec: dict[str, Any]) -> None:
     """A trial's user attributes from its results-log record."""
     attrs = {"key": rec["key"], "config": rec["config"], "measured": rec["measured"],
              "duplicate_of": rec.get("duplicate_of"), "adjustments": rec.get("adjustments") or [],
-             "result": {k: rec.get(k) for k in RESULT_FIELDS}}
+             "result": {k: rec.get(k, rec.get("rel_err")) if k == "rel_error" else rec.get(k)
+                        for k in RESULT_FIELDS}}  # rel_err: the name in logs before rel_error
     if rec.get("prune_reason"):
         attrs["prune_reason"] = rec["prune_reason"]
     for k, v in attrs.items():
@@ -904,7 +905,7 @@ class Tuner:
                            {"compile_s": compile_s, "timeout_s": e.timeout})
         self.plan_s += r["plan_s"]
         self.measured_now += 1
-        result = {**{k: r[k] for k in ("bandwidth_gbs", "rel_err", "per_spec", "plan_s", "measure_s")},
+        result = {**{k: r[k] for k in ("bandwidth_gbs", "rel_error", "per_spec", "plan_s", "measure_s")},
                   "fraction_of_copy": r["bandwidth_gbs"] / self.copy_bw if self.copy_bw else None,
                   "compile_s": compile_s}
         return Outcome(p.key, p.config, "COMPLETE", r["time_us"], None, p.trial.number, result)

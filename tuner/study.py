@@ -521,9 +521,10 @@ def write_trials_csv(jsonl: Path, csv: Path) -> int:
         if kind == "trial":
             rows.append({
                 **base, "trial": rec.get("trial"), "state": rec.get("state"), **fields,
-                **{k: rec.get(k) for k in ("time_us", "bandwidth_gbs", "fraction_of_copy", "rel_err", "measured",
-                                           "duplicate_of", "prune_reason", "timeout_s", "compile_s", "plan_s",
-                                           "measure_s", "is_default")},
+                **{k: rec.get(k) for k in ("time_us", "bandwidth_gbs", "fraction_of_copy")},
+                "rel_error": rec.get("rel_error", rec.get("rel_err")),  # rel_err: logs before the rename
+                **{k: rec.get(k) for k in ("measured", "duplicate_of", "prune_reason", "timeout_s", "compile_s",
+                                           "plan_s", "measure_s", "is_default")},
                 "specs": specs, "sampled": json.dumps(rec.get("params")),
             })
         elif kind == "retime":

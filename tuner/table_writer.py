@@ -38,7 +38,7 @@ Entries = Mapping[str, Mapping[tuple[int, int], TableEntry]]
 def table_path(device: DeviceProperties, folder: str | os.PathLike | None = None) -> Path:
     """Where a device's table goes: ``folder`` (default: the user cache folder, which plans search
     after $TSDECODE_CONFIG_DIR) / ``tables.table_filename(device.name)``."""
-    return Path(folder if folder is not None else tables.user_config_dir()) / tables.table_filename(device.name)
+    return Path(folder if folder is not None else tables.user_tables_dir()) / tables.table_filename(device.name)
 
 
 # What reading a table can raise. ValueError: JSON, UTF-8, the format; ArithmeticError: a number

@@ -11,7 +11,7 @@ from .space import ProblemShape, merge_block_d
 
 # Each split of a request's KV head writes its query rows' fp32 partial outputs, which the merge
 # reads back; PARTIAL_COST weighs a partial byte against a K/V byte, fitted to H200 timings of fp8
-# caches (docs/design.md).
+# caches (docs/perf-notes.md, "Config model").
 PARTIAL_COST = 8
 # The merge pass is a second kernel of one program per query row and head (a slice of the head
 # dim each at small batch, ``merge_block_d``): its start and drain cost about the time an SM takes

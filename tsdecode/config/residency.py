@@ -43,7 +43,8 @@ def _resource_table() -> dict[tuple[int, ...], dict[int, list[tuple[int, int, in
     one warning, if it cannot be read (every config then takes the conservative bound)."""
     table: dict[tuple[int, ...], dict[int, list[tuple[int, int, int]]]] = {}
     try:
-        # the package's own data, also where it is imported under another name (an A/B's other tree)
+        # the package's own data, also where it is imported under another name (a second source tree
+        # that a comparison script loads beside this one)
         text = resources.files(__name__.split(".")[0]).joinpath("data", RESOURCES_FILE).read_text()
         lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
         header = lines[0].strip().split(",")

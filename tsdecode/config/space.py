@@ -23,6 +23,7 @@ MAX_NUM_KV_SPLITS = 1024
 DOT_MIN_BLOCK_M = 16
 # The FMA path materialises a [block_m, block_n, block_d] product: capped so it stays in registers.
 FMA_MAX_TILE_ELEMENTS = 32768
+# A shape's mask as a table's class key names it (``ProblemShape.mask_kind``).
 MASK_KINDS = ("dense", "causal", "windowed")
 # Lengths whose longest / mean reaches this are ragged: their programs end apart.
 RAGGED_SPREAD = 1.1

@@ -54,12 +54,13 @@ FP8_LONG_TARGET_DIVISOR = 8
 # (less where the target is a smaller share of the programs that fit, ``_saturation``), and
 # each split past the first costs SPLIT_COST more (partials and the merge).
 WAVE_SATURATION = 0.6
+SPLIT_COST = 0.03
+# ``_fullest_waves`` weighs split counts up to this many (a request's tiles, if fewer).
+FULLEST_WAVES_MAX_SPLITS = 64
 # One-warp fp8 programs are busy issuing, so an SM lasts as long as its busiest scheduler's warps
 # take; fewer splits that keep it at the issue target must cut its tiles to this share (they also
 # keep fewer loads in flight).
 SCHEDULER_GAIN = 0.9
-SPLIT_COST = 0.03
-MAX_MEND_SPLITS = 64
 # Four-warp programs of a wide tile end together, so a partly filled last wave idles whole SMs:
 # their count may grow to one that fills up to this many whole waves, where ``_time`` says so.
 WIDE_MAX_WAVES = 8
@@ -286,7 +287,7 @@ def _fullest_waves(base: int, occ: Occupancy, tiles: int, sms: int) -> int:
     """The split count of lowest cost for programs past one wave: waves started over waves of
     work, the last counted at least ``_saturation`` full, times SPLIT_COST per extra split."""
     best, best_cost = 1, math.inf
-    for splits in range(1, min(tiles, MAX_MEND_SPLITS) + 1):
+    for splits in range(1, min(tiles, FULLEST_WAVES_MAX_SPLITS) + 1):
         per_wave = (occ.resident_one_split if splits == 1 else occ.resident) * sms
         waves = base * splits / per_wave
         started = math.ceil(waves) - 1 + max(_last_wave(waves), _saturation(occ, splits))

@@ -11,13 +11,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .space import KernelConfig
+from .space import MASK_KINDS, KernelConfig
 
 FORMAT_VERSION = 1
 
 _CLASS_KEY_RE = re.compile(
     r"q=[a-z0-9_]+,kv=[a-z0-9_]+,o=[a-z0-9_]+,d=[1-9][0-9]*,g=[1-9][0-9]*,hkv=[1-9][0-9]*,"
-    r"p=[1-9][0-9]*,sq=(1|2|4|8|16\+|packed),mask=(dense|causal|windowed)")
+    r"p=[1-9][0-9]*,sq=(1|2|4|8|16\+|packed),mask=(" + "|".join(MASK_KINDS) + ")")
 
 
 # --- entries -------------------------------------------------------------------------------------

@@ -68,7 +68,7 @@ def problem_class_key(shape: ProblemShape) -> str:
             f"sq={query_mode(shape)},mask={shape.mask_kind}")
 
 
-def sibling_class_key(key: str) -> str | None:
+def twin_class_key(key: str) -> str | None:
     """The class key with float16 and bfloat16 swapped (None: no 16-bit dtype in it)."""
     swap = {"float16": "bfloat16", "bfloat16": "float16"}
     fields = [f.partition("=") for f in key.split(",")]
@@ -229,13 +229,13 @@ def set_config_path(path: str | os.PathLike | None) -> None:
 _USER_DIR_ENV = ("XDG_CACHE_HOME", "HOME", "LOCALAPPDATA", "WIN_PD_OVERRIDE_LOCAL_APPDATA", "USERPROFILE")
 
 
-def user_config_dir() -> Path:
+def user_tables_dir() -> Path:
     """Where ``tsdecode-tune`` writes and plans look second (the user cache folder)."""
-    return _user_config_dir(tuple(os.environ.get(name) for name in _USER_DIR_ENV))
+    return _user_tables_dir(tuple(os.environ.get(name) for name in _USER_DIR_ENV))
 
 
 @functools.lru_cache(maxsize=8)
-def _user_config_dir(_env: tuple) -> Path:
+def _user_tables_dir(_env: tuple) -> Path:
     return Path(platformdirs.user_cache_dir("tsdecode")) / "tuned_configs"
 
 
@@ -256,7 +256,7 @@ def tune_advice(device: DeviceProperties, path: str | os.PathLike | None = None)
     is rewritten where it lies. The shipped tables are left alone: the user cache shadows them.
     The file written is named unless it is ``path``."""
     command = f"tsdecode-tune --preset {'llama3-8b' if device.is_gpu else 'smoke'}"
-    folder = user_config_dir()
+    folder = user_tables_dir()
     if path is not None and os.path.realpath(Path(path).parent) not in {
             os.path.realpath(f) for f in (folder, shipped_config_dir()) if f is not None}:
         folder = Path(path).parent
@@ -374,7 +374,7 @@ def _sources(config_dir) -> list[tuple[str, str, bool]]:
         out.append(("set_config_path", _config_path, True))
     elif os.environ.get(CONFIG_DIR_ENV):
         out.append((f"${CONFIG_DIR_ENV}", os.environ[CONFIG_DIR_ENV], True))
-    out.append(("user cache", str(user_config_dir()), False))
+    out.append(("user cache", str(user_tables_dir()), False))
     shipped = shipped_config_dir()
     return out + ([("shipped", str(shipped), False)] if shipped is not None else [])
 
@@ -465,7 +465,7 @@ def lookup(shape: ProblemShape, device: DeviceProperties, *, config_dir: str | o
     class (or its float16/bfloat16 twin) and exact bucket; None means the heuristic. ``trace``
     collects what was searched, for ``explain``."""
     key, bucket = problem_class_key(shape), bucket_of(shape.batch_size, shape.max_kv_len)
-    twin = sibling_class_key(key)
+    twin = twin_class_key(key)
     found_any = False
     matched = []
     for origin, source, explicit in _sources(config_dir):

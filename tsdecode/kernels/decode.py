@@ -10,7 +10,7 @@ once per query head. ``_attend_split`` walks the split's K/V tiles through the b
 an online softmax in base 2 (s_j = bmm1_scale * log2(e) * q . k_j, running max m, running sum
 l = sum_j 2^(s_j - m), accumulator acc = sum_j 2^(s_j - m) v_j). The program then writes either
 the final output bmm2_scale * acc / l (one split) or the normalised partial o = acc / l and its
-log2-sum-exp lse = m + log2(l) to fp32 scratch. The products take one of two forms, and the
+log2-sum-exp lse = m + log2(l) to the fp32 split partials. The products take one of two forms, and the
 launcher chooses which: S = Q K^T and O = P V (``_tile_update``: rows on the MMA's M side, or
 FMA reductions below 16 rows), or, with tl.dot and at most 8 rows, S^T = K Q^T and
 O^T = V^T P^T (``_tile_update_transposed``: tokens on M, rows on N). Over an fp8 cache the

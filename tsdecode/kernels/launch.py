@@ -1,4 +1,4 @@
-"""The launcher: a plan's grids and constexprs, its scratch, and fast launches of the kernels.
+"""The launcher: a plan's grids and constexprs, its split partials, and fast launches of the kernels.
 
 ``DecodeLaunch`` fixes everything a plan decides (grid, constexprs, split partials) and launches
 the split kernel and, with more than one split, the merge kernel. Its first call with a given
@@ -55,19 +55,20 @@ def pdl_supported(device: torch.device) -> bool:
     return device.type == "cuda" and not INTERPRETER and device_properties(device).compute_capability[0] >= 9
 
 
-def split_scratch_shape(total_q: int, num_qo_heads: int, num_kv_splits: int,
-                        head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of the fp32 split partials: outputs [total_q, Hq, S, D] and log2-sum-exps
-    [total_q, Hq, S]."""
-    return (total_q, num_qo_heads, num_kv_splits, head_dim), (total_q, num_qo_heads, num_kv_splits)
+def partials_shape(query_capacity: int, num_qo_heads: int, num_kv_splits: int,
+                   head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the fp32 split partials: outputs [query_capacity, Hq, S, D] and log2-sum-exps
+    [query_capacity, Hq, S] (query_capacity: the query tokens a plan holds, B x max_seq_len_q)."""
+    return ((query_capacity, num_qo_heads, num_kv_splits, head_dim),
+            (query_capacity, num_qo_heads, num_kv_splits))
 
 
-def allocate_scratch(shape: ProblemShape, config: KernelConfig, total_q: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+def allocate_partials(shape: ProblemShape, config: KernelConfig, query_capacity: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The split partials (None with one split: the kernel writes the output directly)."""
     if config.num_kv_splits == 1:
         return None
-    o_shape, lse_shape = split_scratch_shape(total_q, shape.num_qo_heads, config.num_kv_splits, shape.head_dim)
+    o_shape, lse_shape = partials_shape(query_capacity, shape.num_qo_heads, config.num_kv_splits, shape.head_dim)
     return (torch.empty(o_shape, dtype=torch.float32, device=device),
             torch.empty(lse_shape, dtype=torch.float32, device=device))
 
@@ -103,13 +104,14 @@ class DecodeLaunch:
     Fixed here: the grid, every constexpr, the split partials. A call passes q, the cache, out,
     the metadata tensors (block table, lengths, packed offsets) and the scales; it neither syncs
     nor allocates. ``transposed`` and ``pdl`` override the product form and programmatic
-    dependent launch (None: ``transposed_products`` and ``pdl_supported``), for A/B runs.
+    dependent launch (None: ``transposed_products`` and ``pdl_supported``), for scripts that
+    compare the two forms or launch modes.
     """
 
     _MAX_ENTRIES = 16  # specialisations remembered per plan (triton's cache keeps the rest)
 
-    def __init__(self, shape: ProblemShape, config: KernelConfig, total_q: int, device: torch.device,
-                 scratch: tuple[torch.Tensor, torch.Tensor] | None, *, transposed: bool | None = None,
+    def __init__(self, shape: ProblemShape, config: KernelConfig, query_capacity: int, device: torch.device,
+                 partials: tuple[torch.Tensor, torch.Tensor] | None, *, transposed: bool | None = None,
                  pdl: bool | None = None) -> None:
         self.shape, self.config, self.device = shape, config, device
         rows = shape.rows_per_kv_head
@@ -120,7 +122,7 @@ class DecodeLaunch:
         block_d = triton.next_power_of_2(shape.head_dim)
         splits = config.num_kv_splits
         if splits > 1:
-            partial_o, partial_lse = scratch
+            partial_o, partial_lse = partials
             po_strides = partial_o.stride()[:3]
             lse_strides = partial_lse.stride()[:2]
         else:
@@ -147,11 +149,11 @@ class DecodeLaunch:
         self._merge_grid, self._merge_constexprs, self._merge_options = None, {}, {}
         if splits > 1:
             sms = device_properties(device).sm_count
-            merge_columns = merge_block_d(total_q * shape.num_qo_heads, block_d, sms)  # head-dim slice
+            merge_columns = merge_block_d(query_capacity * shape.num_qo_heads, block_d, sms)  # head-dim slice
             # One [BLOCK_S, BLOCK_D] fp32 tile of partials per program: all splits at once up to
             # 8192 elements (64 registers a thread at 4 warps), one warp per 2048 elements.
             merge_block_s = min(triton.next_power_of_2(splits), max(8192 // merge_columns, 1))
-            self._merge_grid = (total_q, shape.num_qo_heads, block_d // merge_columns)
+            self._merge_grid = (query_capacity, shape.num_qo_heads, block_d // merge_columns)
             self._merge_constexprs = dict(HEAD_DIM=shape.head_dim, BLOCK_D=merge_columns,
                                           SEQ_LEN_Q=shape.max_seq_len_q, PACKED=shape.packed,
                                           BLOCK_S=merge_block_s, USE_PDL=self.pdl)

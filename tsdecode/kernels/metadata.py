@@ -77,8 +77,8 @@ def _metadata_kernel(
     tl.store(out_ptr + meta_base + num_programs + pid, tl.max(tl.max(hi, axis=1), axis=0))
 
 
-# Compiled variants by (device index, constexprs, pointer alignments): plan() launches them
-# directly, as the decode launcher does, instead of through triton's dispatch.
+# Compiled variants by (device index, constexprs, pointer alignments): validated runs and the
+# one-shot op launch them directly, as the decode launcher does, instead of through triton's dispatch.
 _COMPILED: dict[tuple, object] = {}
 _direct_broken = False  # a triton whose compiled-kernel launcher takes other arguments
 

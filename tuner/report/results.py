@@ -13,7 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from tsdecode.config.tables import user_config_dir
+from tsdecode.config.tables import user_tables_dir
 from tsdecode.device import DeviceProperties
 
 from ..files import atomic_write_text
@@ -72,7 +72,7 @@ def slug(text: str) -> str:
 def default_report_dir(kind: str) -> Path:
     """A new folder ``<user cache>/reports/<kind>/<UTC time>/`` (never the working directory: a
     report run from a checkout must not write into it)."""
-    root = user_config_dir().parent / "reports" / kind
+    root = user_tables_dir().parent / "reports" / kind
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
     out, n = root / stamp, 1
     while out.exists():
