@@ -5,7 +5,8 @@ once their split count is known, against the SMs that run them.
   fewer stages) where those keep them in one wave (``_fit_one_wave``); those of 16-bit tiles
   inside pages and fewer than five query rows take five stages where that takes no more waves
   (``_one_split_depth``); those of short requests that fill more than half a wave take smaller
-  tiles where those fill no more than half of theirs (``_half_wave_tiles``).
+  tiles where those fill no more than half of theirs, or, at the smallest tile already, fewer
+  stages where one tile in flight keeps an SM's loads (``_half_wave_tiles``).
 - One-warp programs left two tiles each take four warps and one larger tile (``_two_tile_programs``).
 - One-warp programs no more than the SMs take four warps, and one tile a program where a tile
   held in registers makes it one, or where they leave many SMs idle (``_spread_warps``).

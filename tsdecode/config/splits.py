@@ -12,7 +12,8 @@ wave rule, in named steps:
   further, into about FULL_WAVES waves, which balance the SMs.
 - ``_fullest_waves``: one-split programs past a wave, and counts that would leave a wave barely
   used, take the count whose waves cost least (a last wave costs at least WAVE_SATURATION of a
-  full one).
+  full one); not 16-bit one-split lean programs that step 4's smaller tile holds in one wave
+  (``_one_wave_at_smaller_tile``): they keep one split and take that tile.
 - ``_wide_count``: four-warp programs of a wide tile end together, so of the count so far,
   whole waves, one tile a program (ragged lengths) and one split, the least time wins.
 - ``_least_time_count``: a one-warp count above one must save more time than its merge pass and
