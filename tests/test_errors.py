@@ -743,16 +743,19 @@ def test_an_overlapping_out_is_refused_unvalidated_too(out_kind, validate):
 
 
 @pytest.mark.parametrize("owner", ["plan", "run", "run, max_kv_len 4096"])
-@pytest.mark.parametrize("bad", [-1, 10**6])
+@pytest.mark.parametrize("bad", [-1, "num_pages", 10**6])
 @pytest.mark.parametrize("covered", [True, False])
 def test_page_ids_are_checked_over_exactly_the_live_pages(owner, bad, covered):
     """A validated run checks the page IDs of each request's live pages, whoever owns the lengths
-    and however large max_kv_len is: a bad ID in the last live column of a row is refused, one in
-    the first column past it is never read and accepted. (Replaces the plan-time check, which
-    covered ceil(max_kv_len / P) columns of every row for bound lengths.)"""
+    and however large max_kv_len is: a bad ID (negative, one past the last page, far past it) in
+    the last live column of a row is refused, one in the first column past it is never read and
+    accepted. (Replaces the plan-time check, which covered ceil(max_kv_len / P) columns of every
+    row for bound lengths.)"""
     case = Case(lens=(20, 40, 33), lengths="plan" if owner == "plan" else "run",
                 max_kv_len=4096 if "4096" in owner else None)  # P=16: 2, 3 and 3 live pages; C = 4
     inp = build(case)
+    if bad == "num_pages":  # the first ID past the cache: an off-by-one in the bound lets it through
+        bad = (inp.cache[0] if isinstance(inp.cache, (tuple, list)) else inp.cache).shape[0]
     bt = inp.block_tables
     for row, n in enumerate(case.lens):
         bt[row, -(-n // 16):] = 0  # valid IDs past the live pages
