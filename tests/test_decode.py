@@ -282,6 +282,26 @@ def test_run_owned_lengths_and_pages_read_on_every_run(validate):
     check(case, out, reference(case, inp))
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_an_unvalidated_length_above_max_kv_len_is_cut_to_it(splits):
+    """run(validate=False) does not check lengths (docs/api.md): one above the plan's max_kv_len is
+    cut to it, so the kernel walks no block-table column past the plan's capacity. Here the table
+    has exactly those two columns; a length of 60 left uncut would read the next row's page IDs."""
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(10, 2, 1, 16, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    q = torch.randn(2, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    bt = torch.tensor([[0, 1], [8, 9]], dtype=torch.int32, device=DEVICE)
+    w = tsdecode.BatchDecodePagedTSWrapper()
+    w.plan(DEVICE, 2, 4, 1, 64, 16, 32, q_data_type=torch.bfloat16,
+           config=KernelConfig(block_n=16, block_m=16, num_kv_splits=splits))
+    cut = torch.tensor([32, 32], dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, float("nan"))
+    w.run(q, cache, torch.tensor([60, 32], dtype=torch.int32, device=DEVICE), bt, out=out, validate=False)
+    ref = reference_decode(q, cache, bt, cut)
+    assert torch.allclose(out.double(), ref, rtol=2e-2, atol=2e-2)
+    assert torch.equal(out, w.run(q, cache, cut, bt, validate=False))
+
+
 def test_run_owned_lengths_accept_garbage_past_live_pages_up_to_max_kv_len():
     """With lengths passed per run and max_kv_len far beyond them, the block table's columns past
     each request's live pages may hold anything (garbage, -1, out-of-range IDs): only live pages

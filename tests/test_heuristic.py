@@ -1987,3 +1987,17 @@ def test_model_picks_stay_as_fast_as_today_on_the_h200_timings():
         assert got["geomean"] <= pinned["geomean"] + GEOMEAN_MARGIN, (src, got)
         assert got["within5"] >= pinned["within5"] - FRACTION_MARGIN, (src, got)
         assert got["within10"] >= pinned["within10"] - FRACTION_MARGIN, (src, got)
+
+
+def test_fp8_schedulers_take_fewer_splits_at_exactly_the_gain():
+    """_within_schedulers takes the fewer splits where the busiest scheduler keeps SCHEDULER_GAIN
+    of its tiles or less, the bound included: B=322, G=16, Hkv=1, D=64, fp8, 2523 tokens (79
+    32-token tiles, 322 programs): three splits leave the busiest scheduler 2 warps x 27 tiles = 54,
+    four 3 x 20 = 60, and 54 = 0.9 x 60, so three."""
+    shape = make_shape(322, 2523, num_qo_heads=16, num_kv_heads=1, head_dim=64, page_size=16, kv_dtype=FP8)
+    occ = occupancy(shape, H200)
+    tiles = -(-2523 // occ.config.block_n)
+    assert (occ.config.block_n, occ.config.num_warps, occ.base_programs, tiles) == (32, 1, 322, 79)
+    assert S.SCHEDULER_GAIN == 0.9
+    assert S._within_schedulers(shape, occ, 4, tiles, H200.sm_count) == 3
+    assert S._within_schedulers(shape, occ, 6, tiles, H200.sm_count) == 6  # six: 4 x 14 = 56, and 54 > 0.9 x 56
