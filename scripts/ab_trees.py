@@ -25,9 +25,10 @@ H200's 700 W, reached by fp8 caches) lowers its clock while a replay runs: a fix
 first side the coolest clock. The mean SM clock of each side's windows is reported beside it.
 
 Suites: targets and heldout (``scripts/bench_decode.py``'s), ``random``: COUNT shapes drawn
-with each SEED (named ``seedN/...`` where there are several; G 1-16, D 64/128/256, P 1-64, B 1-256, L 100-64k, bf16 or fp8 cache, some ragged), and
-``preset:NAME``: a ``tsdecode-tune`` preset's grid (e.g. ``preset:mistral-7b``, sliding-window
-shapes; ``preset:fp8``, bf16 queries over fp8 caches: the shipped table's classes).
+with each SEED (named ``seedN/...`` where there are several; G 1-16, D 64/128/256, P 1-64,
+B 1-256, L 100-64k, bf16 or fp8 cache, some ragged), and ``preset:NAME``: a ``tsdecode-tune``
+preset's grid (e.g. ``preset:mistral-7b``, sliding-window shapes; ``preset:fp8``, bf16 queries
+over fp8 caches: the shipped table's classes).
 
 Usage: python scripts/ab_trees.py --other /path/to/old/tree --suites targets,heldout,random
        [--count 40 --seed 2] [--tuned-table DIR/NVIDIA_H200.json] [--csv out.csv]
