@@ -13,6 +13,10 @@ B side did, so that only those need timing again against the set's tune:
 Run from the repository root with no GPU; writes ``pooled_moved_shapes.csv`` beside this file
 (seed, shape, the A/B's pick, today's pick, the A/B's ratio to the tune) and prints one line per
 seed: its moved names, comma-separated, for ``--only`` (kept as ``pooled_moved_shapes.txt``).
+
+``--pool DIR``: the pooled figure again, each moved shape's ratio taken from the
+``ab_pooled_seed<N>.csv`` that loop wrote into DIR (the other 644 from the counted A/Bs), with
+the moved shapes DIR lacks named.
 """
 import csv
 import importlib.util
@@ -32,8 +36,9 @@ from tuner.measure import seq_lens_for  # noqa: E402
 spec = importlib.util.spec_from_file_location(
     "pooled", ROOT / "reports/nvidia-h200/2026-12-05/pooled_model_vs_tune.py")
 pooled = importlib.util.module_from_spec(spec)
-sys.argv = [sys.argv[0], str(ROOT)]
+_argv, sys.argv = sys.argv, [sys.argv[0], str(ROOT)]
 spec.loader.exec_module(pooled)
+sys.argv = _argv
 
 
 def config_text(config) -> str:
@@ -41,9 +46,41 @@ def config_text(config) -> str:
             f"num_kv_splits={config.num_kv_splits}, num_warps={config.num_warps}, num_stages={config.num_stages})")
 
 
+def pool(folder: Path) -> int:
+    """The pooled within-5% and within-10% counts with the moved shapes re-timed (``--pool``)."""
+    with open(Path(__file__).with_name("pooled_moved_shapes.csv"), newline="") as f:
+        moved = {(int(r["seed"]), r["shape"]) for r in csv.DictReader(f)}
+    ratios, missing = [], []
+    for seed, name in sorted(pooled.FILES.items()):
+        with open(ROOT / "reports/nvidia-h200" / name, newline="") as f:
+            counted = {r["shape"]: float(r["b_over_tuned"]) for r in csv.DictReader(f) if r["suite"] == "random"}
+        path = folder / f"ab_pooled_seed{seed}.csv"
+        again = {}
+        if path.exists():
+            with open(path, newline="") as f:
+                again = {r["shape"]: float(r["b_over_tuned"]) for r in csv.DictReader(f) if r.get("b_over_tuned")}
+        for shape, ratio in counted.items():
+            if (seed, shape) in moved:
+                if shape not in again:
+                    missing.append(f"{seed}/{shape}")
+                    continue
+                ratio = again[shape]
+            ratios.append(ratio)
+    n = len(ratios)
+    print(f"pooled over {n} shapes ({len(moved) - len(missing)} of {len(moved)} moved ones re-timed): "
+          f"within 5% at {sum(r <= 1.05 for r in ratios)} ({100 * sum(r <= 1.05 for r in ratios) / n:.1f}%), "
+          f"within 10% at {sum(r <= 1.10 for r in ratios)} ({100 * sum(r <= 1.10 for r in ratios) / n:.1f}%), "
+          f"worst {max(ratios):.3f}")
+    if missing:
+        print(f"moved shapes not re-timed (left out): {', '.join(missing)}")
+    return 0
+
+
 def main() -> int:
     import dataclasses
 
+    if len(sys.argv) > 2 and sys.argv[1] == "--pool":
+        return pool(Path(sys.argv[2]))
     device = model_scores.h200()
     rows, moved_total, total = [], 0, 0
     for seed, name in sorted(pooled.FILES.items()):
