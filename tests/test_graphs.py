@@ -100,3 +100,55 @@ def test_graph_replay_with_new_lengths_and_pages():
         _check(out, q, cache, seq_lens, table)
         cache[table[0, 0].long(), 0, 0, 0, 0] += 1.0  # the cache changes in place between replays
     assert {size: static.graph for size, static in graphs._static.items()} == captured  # no re-capture
+
+
+def test_a_step_of_the_wrong_shape_or_dtype_is_refused():
+    """copy_ into the static tensors would broadcast or cast these silently."""
+    graphs = DecodeGraphs(_cache(False), HQ, MAX_KV_LEN, batch_sizes=(4,), capture=False)
+    q, lens, table = _step([5, 9, 13], 0)
+    cases = [
+        ((q[:, :1], lens, table), ValueError, r"q must be \[B, Hq, D\] = \[3, 4, 64\]"),
+        ((q[..., :1], lens, table), ValueError, r"q must be \[B, Hq, D\]"),
+        ((q[0], lens, table), ValueError, "with B >= 1"),
+        ((q.half(), lens, table), TypeError, r"q dtype must be torch.bfloat16 \(DecodeGraphs' q_data_type\)"),
+        ((q, lens[:1], table), ValueError, r"seq_lens must have shape \[B\]=\[3\]"),
+        ((q, lens.long(), table), TypeError, "seq_lens must be int32"),
+        ((q, lens, table[:1]), ValueError, r"block_tables must have one row per request \(B=3\)"),
+        ((q, lens, table.long()), TypeError, "block_tables must be int32"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            graphs(*args)
+    with pytest.raises(ValueError, match=r"pad_page=40 must be a page ID of the cache, in \[0, 40\)"):
+        DecodeGraphs(_cache(False), HQ, MAX_KV_LEN, pad_page=NUM_PAGES)
+
+
+def test_validate_checks_lengths_and_page_ids():
+    graphs = DecodeGraphs(_cache(False), HQ, MAX_KV_LEN, batch_sizes=(4,), capture=False)
+    q, lens, table = _step([5, 9, 13], 0)
+    _check(graphs(q, lens, table, validate=True), q, _cache(False), lens, table)
+    narrow = table[:, :2].contiguous()  # 2 columns of 4-token pages hold 8 tokens
+    with pytest.raises(ValueError, match=r"seq_lens\[1\]=9 needs 3 pages but block_tables has C=2 columns"):
+        graphs(q, lens, narrow, validate=True)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=25 must be in \[1, max_kv_len=24\]"):
+        graphs(q, torch.tensor([25, 9, 13], dtype=torch.int32, device=DEVICE), table, validate=True)
+    bad = table.clone()
+    bad[2, 3] = NUM_PAGES
+    with pytest.raises(ValueError, match="page ID 40 among the live pages but paged_kv_cache has only 40 pages"):
+        graphs(q, lens, bad, validate=True)
+
+
+def test_a_narrower_table_leaves_no_earlier_page_ids():
+    graphs = DecodeGraphs(_cache(False), HQ, MAX_KV_LEN, batch_sizes=(4,), pad_page=3, capture=False)
+    graphs(*_step([20, 21], 0))  # six columns
+    q, lens, table = _step([6, 7], 1)
+    static = graphs.stage(q, lens, table[:, :2].contiguous())
+    assert static.block_tables[:2, 2:].unique().tolist() == [3]
+    assert static.block_tables[:2, :2].tolist() == table[:, :2].tolist()
+
+
+def test_q_dtype_defaults_to_a_16_bit_caches_dtype():
+    cache = _cache(False).half()
+    graphs = DecodeGraphs(cache, HQ, MAX_KV_LEN, batch_sizes=(2,), capture=False)
+    q, lens, table = _step([5, 11], 0)
+    _check(graphs(q.half(), lens, table), q.half(), cache, lens, table)

@@ -12,6 +12,10 @@ it: length 1 on ``pad_page``, so every row reads real memory) and replays that g
 
 The cache is captured by address: keep using the same tensor(s), writing new K/V into them in
 place. ``capture=False`` runs the same wrappers without graphs (the CPU, or to compare).
+
+Each step's tensors are checked on the host (shapes, dtypes, devices: no sync), as
+``run(validate=False)`` checks them; ``validate=True`` also reads the lengths and the live page IDs
+back and checks their values, as ``run(validate=True)`` does.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import BatchDecodePagedTSWrapper
+from . import validation as V
+from .api import BatchDecodePagedTSWrapper, on_device
+from .kernels.metadata import read_metadata
 
 __all__ = ["DEFAULT_BATCH_SIZES", "DecodeGraphs", "StaticBatch"]
 
@@ -49,13 +55,14 @@ class DecodeGraphs:
     num_qo_heads, max_kv_len : Hq, and the longest K/V length any request will reach.
     batch_sizes : the padded batch sizes, one plan and one graph each (captured on first use,
         or all at once by ``capture_all``).
-    q_data_type, o_data_type : as in ``BatchDecodePagedTSWrapper.plan``.
+    q_data_type : q's dtype (default: the cache's dtype for a 16-bit cache, bfloat16 for fp8).
+    o_data_type : as in ``BatchDecodePagedTSWrapper.plan`` (default: q_data_type).
     pad_page : the page that padding rows read (any valid page ID).
     capture : capture CUDA graphs (default: when the cache is on a GPU).
     """
 
     def __init__(self, paged_kv_cache, num_qo_heads: int, max_kv_len: int, *,
-                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, q_data_type: torch.dtype = torch.bfloat16,
+                 batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES, q_data_type: torch.dtype | None = None,
                  o_data_type: torch.dtype | None = None, pad_page: int = 0, capture: bool | None = None) -> None:
         k = paged_kv_cache[0] if isinstance(paged_kv_cache, (tuple, list)) else paged_kv_cache[:, 0]
         _, self.num_kv_heads, self.page_size, self.head_dim = k.shape
@@ -64,6 +71,11 @@ class DecodeGraphs:
         self.num_qo_heads, self.max_kv_len = num_qo_heads, max_kv_len
         self.max_pages = -(-max_kv_len // self.page_size)
         self.batch_sizes = tuple(sorted(batch_sizes))
+        self.num_pages = k.shape[0]
+        if not 0 <= V.require_int("pad_page", pad_page) < self.num_pages:
+            raise ValueError(f"pad_page={pad_page} must be a page ID of the cache, in [0, {self.num_pages})")
+        if q_data_type is None:
+            q_data_type = k.dtype if k.element_size() == 2 else torch.bfloat16
         self.q_dtype, self.o_dtype, self.pad_page = q_data_type, o_data_type or q_data_type, pad_page
         self.capture = self.device.type == "cuda" if capture is None else capture
         self._static: dict[int, StaticBatch] = {}
@@ -74,27 +86,52 @@ class DecodeGraphs:
                 return size
         raise ValueError(f"batch of {batch} requests exceeds the largest captured batch size {self.batch_sizes[-1]}")
 
-    def __call__(self, q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, *,
+                 validate: bool = False) -> torch.Tensor:
         """Decode q [B, Hq, D] with lengths int32 [B] and block table int32 [B, C <= ceil(max_kv_len / P)]:
-        the output [B, Hq, D], a view of the static output (overwritten by the next call of that size)."""
-        static = self.stage(q, seq_lens, block_tables)
+        the output [B, Hq, D], a view of the static output (overwritten by the next call of that size).
+        ``validate=True`` also checks the lengths and live page IDs (one host sync)."""
+        static = self.stage(q, seq_lens, block_tables, validate=validate)
         if static.graph is not None:
             static.graph.replay()
         else:
             self._run(static)
         return static.out[:q.shape[0]]
 
-    def stage(self, q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor) -> StaticBatch:
-        """Write a step's q, lengths and block table in place into its padded batch size's tensors."""
+    def stage(self, q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, *,
+              validate: bool = False) -> StaticBatch:
+        """Check a step's q, lengths and block table, then write them in place into its padded batch
+        size's tensors (columns past the step's C point at ``pad_page``)."""
+        q = V.require_tensor("q", q)
+        if q.dim() != 3 or q.shape[0] < 1:
+            raise ValueError(f"q must be [B, Hq, D] = [B, {self.num_qo_heads}, {self.head_dim}] with B >= 1, "
+                             f"got shape {list(q.shape)}")
         batch = q.shape[0]
-        if block_tables.shape[1] > self.max_pages:
-            raise ValueError(f"block_tables has {block_tables.shape[1]} columns; max_kv_len={self.max_kv_len} "
+        if tuple(q.shape[1:]) != (self.num_qo_heads, self.head_dim):
+            raise ValueError(f"q must be [B, Hq, D] = [{batch}, {self.num_qo_heads}, {self.head_dim}] "
+                             f"(num_qo_heads and the cache's head dim), got shape {list(q.shape)}")
+        if q.dtype != self.q_dtype:
+            raise TypeError(f"q dtype must be {self.q_dtype} (DecodeGraphs' q_data_type), got {q.dtype}")
+        if q.device != self.device:
+            raise ValueError(f"q must be on {self.device} (the cache's device), got {q.device}")
+        seq_lens = V.validate_lengths_tensor("seq_lens", seq_lens, batch, self.device)
+        block_tables = V.validate_block_tables(block_tables, batch, self.device)
+        cols = block_tables.shape[1]
+        if cols > self.max_pages:
+            raise ValueError(f"block_tables has {cols} columns; max_kv_len={self.max_kv_len} "
                              f"allows {self.max_pages}")
         static = self._get(self.padded_batch_size(batch))
+        if V.require_bool("validate", validate):
+            with on_device(self.device):
+                lens, _, min_page, max_page = read_metadata(block_tables, seq_lens, None, self.page_size)
+            V.validate_metadata_values(static.wrapper._plan.shape, lens, None, min_page, max_page, cols,
+                                       self.num_pages, batch, "seq_lens")
         static.q[:batch].copy_(q)
         static.seq_lens[:batch].copy_(seq_lens)
         static.seq_lens[batch:].fill_(1)
-        static.block_tables[:batch, :block_tables.shape[1]].copy_(block_tables)
+        static.block_tables[:batch, :cols].copy_(block_tables)
+        if cols < self.max_pages:  # no page ID of an earlier, wider step is left to read
+            static.block_tables[:batch, cols:].fill_(self.pad_page)
         static.block_tables[batch:, 0].fill_(self.pad_page)
         return static
 
