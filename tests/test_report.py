@@ -463,6 +463,7 @@ def test_a_report_csv_with_a_byte_order_mark_is_read(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--filter", "("], "argument --filter: not a regular expression"),
     (["--preset", "smoke", "--impls", ","], "--impls ',' names no implementation"),
+    (["--preset", "smoke", "--impls", ""], "--impls '' names no implementation"),
     (["--preset", "smoke", "--impls", "heuristic,nope"], "unknown implementation(s) ['nope']"),
     (["--preset", "smoke", "--device", "tpu"], "--device tpu: expected cuda, cuda:N or cpu"),
     (["--from-csv", "A", "--compare", "A", "B"], "--compare and --from-csv: give one of them"),

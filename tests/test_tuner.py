@@ -1193,6 +1193,13 @@ def test_a_bucket_is_not_complete_while_its_default_waits_in_the_queue(tmp_path)
     (["--batch-sizes", "4"], "--kv-lens missing: a custom grid needs both batch sizes and K/V lengths"),
     (["--kv-lens", "64"], "--batch-sizes missing: a custom grid needs both batch sizes and K/V lengths"),
     (["--batch-sizes", "abc"], "--batch-sizes: expected a comma-separated list of integers, got 'abc'"),
+    (["--batch-sizes", "1,,2", "--kv-lens", "64"], "--batch-sizes: expected a comma-separated list of integers, "
+                                                   "got '1,,2' (an empty item)"),
+    (["--batch-sizes", "1", "--kv-lens", "64,"], "got '64,' (an empty item)"),
+    # a causal query longer than its K/V cannot run: refused before any work, not pruned trial by trial
+    (["--batch-sizes", "1", "--kv-lens", "2,64", "--seq-len-q", "4", "--mask", "causal"],
+     "--seq-len-q 4 exceeds the shortest of --kv-lens, 2: a causal mask needs every request's query length <= "
+     "its K/V length"),
     # a custom grid's flag beside a preset shaped nothing: refused, not ignored
     (["--preset", "smoke", "--page-sizes", "32"], "--page-sizes shapes a custom grid only: give it with --batch-sizes"),
     (["--preset", "smoke", "--heads", "4:3"], "--heads shapes a custom grid only"),
@@ -1299,15 +1306,17 @@ def test_create_has_no_device_or_output_flags(argv, owners, tmp_path, capsys):
     ("heads = [4, 2]", "[[grid]] 1: heads: expected HQ:HKV pairs"),
     ("seq_len_q = true", "[[grid]] 1: seq_len_q: expected an integer >= 1, got True"),
     ("window_left = -5\nmask = \"causal\"", "[[grid]] 1: window_left: expected an integer >= -1, got -5"),
+    ("seq_len_q = 41\nmask = \"causal\"", "[[grid]] 1: seq_len_q 41 exceeds the shortest of kv_lens, 40"),
 ], ids=["unknown_key", "packed_str", "ragged_int", "seq_len_float", "head_dim_100", "fp8", "heads_str",
-        "heads_flat", "seq_len_bool", "window_below_minus_one"])
+        "heads_flat", "seq_len_bool", "window_below_minus_one", "causal_query_longer_than_kv"])
 def test_cli_bad_grid_file_names_the_key(body, message, tmp_path, capsys):
     grid = tmp_path / "grid.toml"
     out = tmp_path / "out"
     grid.write_text(f"[[grid]]\nbatch_sizes = [1]\nkv_lens = [40]\n{body}\n")
     assert main(["--grid-file", str(grid), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert f"{grid}: {message}" in err and "Traceback" not in err
+    assert f"--grid-file {grid}: {message}" in err and "Traceback" not in err
+    assert err.count("[[grid]] 1:") == 1, err
     assert not out.exists()
 
 
@@ -1316,7 +1325,7 @@ def test_cli_bad_grid_file_names_the_key(body, message, tmp_path, capsys):
     ("batch_sizes = [1.5]\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
     ("batch_sizes = 5\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
     ("batch_sizes = [1]\nkv_lens = [0]", "kv_lens: expected positive integers"),
-    ("batch_sizes = [1]", "kv_lens missing: a custom grid needs both batch sizes and K/V lengths"),
+    ("batch_sizes = [1]", "[[grid]] 1: kv_lens missing: a custom grid needs both batch sizes and K/V lengths"),
     ("batch_sizes = [true]\nkv_lens = [40]", "batch_sizes: expected a list of integers"),
     ("batch_sizes = [1]\nkv_lens = [40]\n[settings]\ntrials = 4", "expected one or more [[grid]] tables (unknown "
                                                                    "top-level key(s) ['settings'])"),
@@ -1326,7 +1335,8 @@ def test_cli_grid_file_lists_must_be_positive_integers(lists, message, tmp_path,
     grid.write_text(f"[[grid]]\n{lists}\n")
     assert main(["--grid-file", str(grid), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert f"--grid-file {grid}: " in err and message in err and "Traceback" not in err
+    assert err.count(str(grid)) == 1, err
 
 
 @cpu_only
@@ -1933,3 +1943,17 @@ def test_trials_csv_names_the_error_rel_error_for_old_logs_too(tmp_path):
     assert "rel_err" not in frame.columns
     assert frame["rel_error"].tolist() == [0.002, 0.003]
     assert list(frame.columns).index("rel_error") == list(frame.columns).index("fraction_of_copy") + 1
+
+
+def test_a_run_without_a_grid_says_it_tunes_the_smoke_preset(capsys):
+    """On the CPU a bare ``tsdecode-tune`` tunes the smoke preset: the help and the run say so."""
+    from tuner.parsers import build_parser
+    from tuner.run import _specs
+
+    parser = build_parser(cpu=True)
+    args = parser.parse_args(["tune"])
+    assert set(_specs(args, cpu=True)) == set(PRESETS["smoke"])
+    assert "no grid given: tuning the smoke preset" in capsys.readouterr().out
+    assert _specs(parser.parse_args(["tune", "--preset", "smoke"]), cpu=True) and not capsys.readouterr().out
+    help_text = " ".join(parser._subparsers._group_actions[0].choices["tune"].format_help().split())
+    assert "a run on the CPU tunes the smoke preset" in help_text

@@ -28,8 +28,11 @@ class Parser(argparse.ArgumentParser):
 
 def int_list(text: str) -> list[int]:
     """``"1,8,64"`` -> [1, 8, 64]: positive integers (ValueError otherwise)."""
+    items = [x.strip() for x in text.split(",")]
+    if "" in items:
+        raise ValueError(f"expected a comma-separated list of integers, got {text!r} (an empty item)")
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in items]
     except ValueError:
         raise ValueError(f"expected a comma-separated list of integers, got {text!r}") from None
     if not values or min(values) < 1:

@@ -56,6 +56,9 @@ class ShapeSpec:
             raise ValueError(f"mask_type must be 'dense' or 'causal', got {self.mask_type!r}")
         if self.window_left >= 0 and self.mask_type != "causal":
             raise ValueError("window_left >= 0 needs mask_type='causal'")
+        if self.mask_type == "causal" and self.seq_len_q > self.kv_len:
+            raise ValueError(f"a causal mask needs seq_len_q <= kv_len, got seq_len_q={self.seq_len_q} and "
+                             f"kv_len={self.kv_len}")
 
     @property
     def name(self) -> str:
@@ -241,18 +244,27 @@ def _custom_grid(opts: dict, where: str = "") -> list[ShapeSpec]:
     """The shapes of one custom grid (GRID_KEYS; batch_sizes and kv_lens required).
 
     ``where`` is "" for the command line (keys are named as flags) or the location of a
-    [[grid]] table ("grid.toml: [[grid]] 2: "; keys are named as in the file). Raises
-    ValueError naming the key for an unknown key, a wrong type or an unsupported value
-    (head_dim, page size and group size as ``tsdecode.validation`` checks them).
+    [[grid]] table ("--grid-file grid.toml: [[grid]] 2: "; keys are named as in the file), which
+    starts every message. Raises ValueError naming the key for an unknown key, a wrong type or an
+    unsupported value (head_dim, page size and group size as ``tsdecode.validation`` checks them).
     """
+    try:
+        return _grid_shapes(opts, in_file=bool(where))
+    except ValueError as e:
+        if not where:
+            raise
+        raise ValueError(f"{where}{e}") from None
+
+
+def _grid_shapes(opts: dict, in_file: bool) -> list[ShapeSpec]:
     from tsdecode import validation as V
 
     def name(key: str) -> str:
-        return f"{where}{key}" if where else "--" + key.replace("_", "-")
+        return key if in_file else "--" + key.replace("_", "-")
 
     unknown = [k for k in opts if k not in GRID_KEYS]
     if unknown:
-        raise ValueError(f"{where}unknown key(s) {unknown}; the keys are {list(GRID_KEYS)}")
+        raise ValueError(f"unknown key(s) {unknown}; the keys are {list(GRID_KEYS)}")
 
     def get(key, default=None):
         value = opts.get(key)
@@ -261,7 +273,7 @@ def _custom_grid(opts: dict, where: str = "") -> list[ShapeSpec]:
     given = {k: _ints(get(k), name(k)) for k in ("batch_sizes", "kv_lens") if get(k) is not None}
     missing = [name(k) for k in ("batch_sizes", "kv_lens") if k not in given]
     if missing:
-        raise ValueError(f"{where}{missing[0]} missing: a custom grid needs both batch sizes and K/V lengths")
+        raise ValueError(f"{missing[0]} missing: a custom grid needs both batch sizes and K/V lengths")
     batch_sizes, kv_lens = given["batch_sizes"], given["kv_lens"]
     heads = _heads(get("heads", "32:8"), name("heads"))
     head_dims = _ints(get("head_dim", "128"), name("head_dim"), single=True)
@@ -282,6 +294,9 @@ def _custom_grid(opts: dict, where: str = "") -> list[ShapeSpec]:
         raise ValueError(f"{name('mask')}: expected 'dense' or 'causal', got {mask!r}")
     if window_left >= 0 and mask != "causal":
         raise ValueError(f"{name('window_left')} {window_left} needs {name('mask')} causal")
+    if mask == "causal" and seq_len_q > min(kv_lens):
+        raise ValueError(f"{name('seq_len_q')} {seq_len_q} exceeds the shortest of {name('kv_lens')}, {min(kv_lens)}: "
+                         f"a causal mask needs every request's query length <= its K/V length")
     for hq, hkv in heads:
         if hq < 1 or hkv < 1 or hq % hkv or hq // hkv > V.MAX_GROUP_SIZE:
             raise ValueError(f"{name('heads')}: {hq}:{hkv}: HQ must be a multiple of HKV (both "
@@ -345,9 +360,9 @@ def specs_from_args(args) -> list[ShapeSpec]:
         others = [k for k in data if k != "grid"]
         if not isinstance(tables, list) or not tables or others:
             extra = f" (unknown top-level key(s) {others})" if others else ""
-            raise ValueError(f"{args.grid_file}: expected one or more [[grid]] tables{extra}")
+            raise ValueError(f"--grid-file {args.grid_file}: expected one or more [[grid]] tables{extra}")
         for i, table in enumerate(tables, 1):
-            where = f"{args.grid_file}: [[grid]] {i}: "
+            where = f"--grid-file {args.grid_file}: [[grid]] {i}: "
             if not isinstance(table, dict):
                 raise ValueError(f"{where}expected a table of keys, got {table!r}")
             specs += _custom_grid(table, where)

@@ -15,6 +15,8 @@ SPACE_FLAGS = {"block_n": "K/V tile sizes in tokens", "block_m": "query-row tile
                "num_warps": "warps per program", "num_stages": "pipeline stages"}
 
 # The words of tune's help and output, once in plain words (the tune and create --help).
+DEFAULT_GRID_WORDS = ("Without --preset, --grid-file or --batch-sizes and --kv-lens, a run on the CPU tunes the "
+                      "smoke preset (a few small test shapes, to try the tool); on a GPU it asks for a grid.")
 TUNE_WORDS = (
     "Words: a bucket is a group of the grid's shapes tuned together and given one table entry (same dtypes, "
     "heads, head dim, page size, query mode and mask; batch size and K/V length rounded up to the same powers "
@@ -179,7 +181,7 @@ def build_parser(cpu: bool) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{tune,worker,export,create,explain,report}",
                                 parser_class=Parser)
     add_tune_arguments(sub.add_parser("tune", help="search configs and write the table (default)",
-                                      description=TUNE_WORDS), cpu)
+                                      description=f"{TUNE_WORDS} {DEFAULT_GRID_WORDS}"), cpu)
     add_worker_arguments(sub.add_parser(
         "worker", help="join a job in a shared storage and tune its studies",
         description="Join a job (a grid and its search settings, defined by tune or create) in a storage that "

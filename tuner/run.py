@@ -125,10 +125,12 @@ def smoke_note(specs, cpu: bool) -> list[str]:
 
 
 def _specs(args, cpu: bool):
-    from .grids import specs_from_args
+    from .grids import PRESETS, specs_from_args
 
     if cpu and not (args.preset or args.grid_file or args.batch_sizes or args.kv_lens):
         args.preset = ["smoke"]
+        print(f"{PROG}: no grid given: tuning the smoke preset ({len(PRESETS['smoke'])} small test shapes; "
+              f"--preset, --grid-file or --batch-sizes with --kv-lens choose others)")
     try:
         specs = specs_from_args(args)
     except (ValueError, OSError) as e:  # bad preset, list, TOML file or empty grid

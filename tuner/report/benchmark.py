@@ -31,7 +31,7 @@ from .results import (
 
 
 def _parse_impls(text: str) -> list[I.Impl]:
-    if text.strip() in ("", "all"):
+    if text.strip() == "all":
         return list(I.IMPLS.values())
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in I.IMPLS]
