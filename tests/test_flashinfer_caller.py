@@ -7,8 +7,8 @@ and lengths either owned by the plan (``plan(..., seq_lens=[...])``, ``run(q, ca
 block_tables)``) or passed to every run. Query layouts: [B, Hq, D] (SQ = 1), token-major
 [B, SQ, Hq, D] and packed [total_q, Hq, D] with ``qo_indptr`` at run. Every output is written
 into a NaN-poisoned ``out`` and compared with the float64 reference. On the GPU: ``run(...,
-validate=False, out=...)`` and the capturable one-shot captured in a CUDA graph, with lengths,
-pages and query offsets changed in place between replays.
+validate=False, out=...)``, the capturable one-shot and ``prims_ts_batch_decode_with_kv_cache``
+captured in a CUDA graph, with lengths, pages and query offsets changed in place between replays.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tsdecode import (BatchDecodePagedTSWrapper, batch_decode_with_paged_kv_cache,
-                      get_prims_ts_batch_decode_workspace_size)
+                      get_prims_ts_batch_decode_workspace_size, prims_ts_batch_decode_with_kv_cache)
 from tsdecode.reference import reference_decode
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -363,6 +363,42 @@ def test_cuda_graph_of_the_capturable_oneshot(packed):
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(out, reference(batch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("query", ["sq1", "packed", "fixed-sq2"])
+def test_cuda_graph_of_prims_ts_batch_decode_with_kv_cache(query):
+    """A's capture call (workspace_buffer and max_seq_len positional, out given; packed queries
+    also max_seq_len_q) captured after one call outside the capture; lengths, pages and offsets
+    changed in place between replays. Eager calls with out given allocate nothing."""
+    packed, sq = query == "packed", 2 if query == "fixed-sq2" else 1
+    batch = make_batch([max(n, sq) for n in STEPS[0][0]], num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                       columns=44, q_lens=(1, 2, 1, 1) if packed else None, seq_len_q=sq, fill_all_columns=True)
+    mask = "causal" if sq > 1 else "dense"
+    extra = dict(qo_indptr=batch.qo_indptr, max_seq_len_q=2) if packed else dict(seq_len_q=sq)
+    size = get_prims_ts_batch_decode_workspace_size(4, 32, 8, 128, 16, 700, q_dtype=BF16, mask_type=mask,
+                                                    device=DEVICE, **extra)
+    workspace = torch.zeros(max(size, 32), dtype=torch.uint8, device=DEVICE)
+    out = poisoned(batch.q, BF16)
+
+    def step():
+        return prims_ts_batch_decode_with_kv_cache(batch.q, batch.kv_cache, workspace, batch.block_tables,
+                                                   batch.seq_lens, 700, out=out, mask_type=mask, **extra)
+
+    graph = _capture(step)
+    for i, (lens, offsets) in enumerate(STEPS):
+        if i:
+            _next_step(batch, [max(n, sq) for n in lens], offsets if packed else None)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, reference(batch, mask_type=mask))
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    out.fill_(float("nan"))
+    assert step() is out
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    assert_matches(out, reference(batch, mask_type=mask))
 
 
 @pytest.mark.gpu

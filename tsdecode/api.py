@@ -41,6 +41,17 @@ CAPTURE_HINT = ("to capture a decode step in a CUDA graph, plan a BatchDecodePag
 
 
 @dataclass(frozen=True)
+class ArgNames:
+    """What a public function calls q, the cache, the lengths and the K/V capacity, for its errors:
+    the wrapper's (the defaults), the one-shot op's or the capture call's (``oneshot``)."""
+
+    q: str = "q"
+    cache: str = "paged_kv_cache"
+    lens: str = "seq_lens"
+    capacity: str = "max_kv_len"
+
+
+@dataclass(frozen=True)
 class _Plan:
     """Everything ``run`` needs, published at once so a failed re-plan keeps the old plan."""
 
@@ -388,34 +399,35 @@ def _indptr_owner(plan: _Plan, qo_indptr) -> None:
 
 
 def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, bmm1_scale, bmm2_scale, out,
-             validate: bool, values_checked: bool = False, lens_name: str = "seq_lens") -> torch.Tensor:
+             validate: bool, values_checked: bool = False, names: ArgNames = ArgNames()) -> torch.Tensor:
     """Validate (unless told not to) and launch. ``values_checked``: the metadata's values were read and
     checked already (the one-shot op), so only tensor layouts are checked here. Unvalidated, the tensors'
     shapes and dtypes are still matched against the plan on the host; where they do not match, the tensor
-    checks run (never the metadata read) and say what is wrong, calling the lengths ``lens_name``."""
+    checks run (never the metadata read) and say what is wrong, calling q, the cache and the lengths as
+    ``names`` does."""
     s = plan.shape
     if validate or not plan.matches(q, paged_kv_cache, out, block_tables, seq_lens, qo_indptr):
-        q = V.require_tensor("q", q)
-        kv, page_shape, kv_dtype, kv_device, cache_tensors = V.cache_page_shape(paged_kv_cache)
+        q = V.require_tensor(names.q, q)
+        kv, page_shape, kv_dtype, kv_device, cache_tensors = V.cache_page_shape(paged_kv_cache, names.cache)
         V.validate_cache_against_plan(page_shape, kv_dtype, kv_device, s.num_kv_heads, s.page_size,
                                       s.head_dim, s.kv_dtype, plan.device)
         block_tables = V.validate_block_tables(block_tables, s.batch_size, plan.device)
-        seq_lens = V.validate_lengths_tensor(lens_name, seq_lens, s.batch_size, plan.device)
+        seq_lens = V.validate_lengths_tensor(names.lens, seq_lens, s.batch_size, plan.device)
         if s.packed:
             qo_indptr = V.validate_qo_indptr(qo_indptr, s.batch_size, plan.device)
         if s.packed and q.dim() != 3:
-            raise ValueError(f"q must be packed [total_q, Hq, D] (the plan is packed), with total_q at most "
+            raise ValueError(f"{names.q} must be packed [total_q, Hq, D] (the plan is packed), with total_q at most "
                              f"B*max_seq_len_q = {plan.query_capacity}; got shape {list(q.shape)}")
         total_q = q.shape[0] if s.packed and q.dim() == 3 else plan.query_capacity
-        q = V.validate_io_tensor("q", q, plan.q_shape(total_q), V.describe_query_layout(s.packed, s.max_seq_len_q),
+        q = V.validate_io_tensor(names.q, q, plan.q_shape(total_q), V.describe_query_layout(s.packed, s.max_seq_len_q),
                                  s.q_dtype, plan.device, "as planned by q_data_type, whose default is torch.float16")
         if s.packed and not s.batch_size <= total_q <= plan.query_capacity:
-            raise ValueError(f"q holds {total_q} query tokens; a packed q holds at least one token a request and at "
-                             f"most B*max_seq_len_q: from B={s.batch_size} to {plan.query_capacity}")
-        spans = M.byte_spans((("q", q), *cache_tensors, ("block_tables", block_tables), (lens_name, seq_lens),
+            raise ValueError(f"{names.q} holds {total_q} query tokens; packed, it holds at least one token a "
+                             f"request and at most B*max_seq_len_q: from B={s.batch_size} to {plan.query_capacity}")
+        spans = M.byte_spans(((names.q, q), *cache_tensors, ("block_tables", block_tables), (names.lens, seq_lens),
                               *((("qo_indptr", qo_indptr),) if qo_indptr is not None else ())))  # what is read
         if out is not None:
-            out = V.validate_io_tensor("out", out, tuple(q.shape), "q's shape", s.o_dtype, plan.device,
+            out = V.validate_io_tensor("out", out, tuple(q.shape), f"{names.q}'s shape", s.o_dtype, plan.device,
                                       "as planned by o_data_type, whose default is q_data_type")
             M.validate_out(out, spans + plan._workspace_memory[1])
         M.validate_workspace_apart(plan._workspace_memory[2], spans)

@@ -1,6 +1,7 @@
 """The public API as torch ops, so ``torch.compile`` keeps each call as one opaque node.
 
-``BatchDecodePagedTSWrapper.run`` and ``batch_decode_with_paged_kv_cache`` call these ops only
+``BatchDecodePagedTSWrapper.run``, ``batch_decode_with_paged_kv_cache`` and
+``prims_ts_batch_decode_with_kv_cache`` (``decode_oneshot`` with ``capture_call``) call these ops only
 while torch.compile traces them (``torch.compiler.is_compiling()``); eager calls skip the
 dispatcher. Each op writes ``out`` (declared mutated, so the graph orders it) and returns
 nothing; its fake (meta) implementation does nothing, the output's shape being q's. The bodies
@@ -30,7 +31,7 @@ _DECODE_ONESHOT = (
     "decode_oneshot(Tensor q, Tensor kv, Tensor? v, Tensor block_tables, Tensor seq_lens_kv, "
     "int seq_len_q, Tensor? qo_indptr, int? max_seq_len_q, str mask_type, int window_left, "
     "float? bmm1_scale, float bmm2_scale, Tensor(a!) out, Tensor? workspace_buffer, int? max_kv_len, "
-    "bool validate, ScalarType? out_dtype=None) -> ()"
+    "bool validate, ScalarType? out_dtype=None, bool capture_call=False) -> ()"
 )
 
 
@@ -49,8 +50,16 @@ def _run_planned(handle, q, kv, v, seq_lens, block_tables, qo_indptr, out, bmm1_
 
 def _decode_oneshot(q, kv, v, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
                     mask_type, window_left, bmm1_scale, bmm2_scale, out, workspace_buffer, max_kv_len,
-                    validate, out_dtype=None) -> None:
-    """batch_decode_with_paged_kv_cache into out (out_dtype: the caller's, if it gave one)."""
+                    validate, out_dtype=None, capture_call=False) -> None:
+    """batch_decode_with_paged_kv_cache into out (out_dtype: the caller's, if it gave one), or with
+    ``capture_call`` prims_ts_batch_decode_with_kv_cache, whose errors name its own arguments."""
+    if capture_call:
+        oneshot.prims_ts_batch_decode_with_kv_cache(
+            q, kv if v is None else (kv, v), workspace_buffer, block_tables, seq_lens_kv, max_kv_len,
+            seq_len_q=seq_len_q, qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q, bmm1_scale=bmm1_scale,
+            bmm2_scale=bmm2_scale, out=out, out_dtype=out_dtype, mask_type=mask_type, window_left=window_left,
+        )
+        return
     oneshot.batch_decode_with_paged_kv_cache(
         q, kv if v is None else (kv, v), block_tables, seq_lens_kv, seq_len_q=seq_len_q,
         qo_indptr=qo_indptr, max_seq_len_q=max_seq_len_q, mask_type=mask_type,

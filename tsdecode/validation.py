@@ -201,7 +201,7 @@ def resolve_dtypes(q_dtype: object, kv_dtype: object, o_dtype: object,
                                   f"{names[1]} {kv_dtype}")
     allowed = OUT_DTYPES + ((FP8,) if q_dtype == FP8 else ())
     if o_dtype not in allowed:
-        raise NotImplementedError(f"{names[2]} {o_dtype} is not supported with q {q_dtype}; expected "
+        raise NotImplementedError(f"{names[2]} {o_dtype} is not supported with {names[0]} {q_dtype}; expected "
                                   f"one of {list(allowed)}")
     return q_dtype, kv_dtype, o_dtype
 
@@ -360,50 +360,52 @@ def validate_metadata_values(s: ProblemShape, lens, indptr, min_page: int, max_p
                                  f"query tokens and {lens_name}[{b}]={nk}")
 
 
-def split_cache(paged_kv_cache: object) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(combined cache, None) or (K, V): only the container and tensor types are checked."""
+def split_cache(paged_kv_cache: object, name: str = "paged_kv_cache") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(combined cache, None) or (K, V): only the container and tensor types are checked; errors
+    call the cache ``name``, the argument the caller passed."""
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
-            raise ValueError(f"a separate paged_kv_cache must be (K, V), got {len(paged_kv_cache)} items")
-        return (require_tensor("paged_kv_cache[0] (K)", paged_kv_cache[0]),
-                require_tensor("paged_kv_cache[1] (V)", paged_kv_cache[1]))
-    return require_tensor("paged_kv_cache", paged_kv_cache), None
+            raise ValueError(f"a separate {name} must be (K, V), got {len(paged_kv_cache)} items")
+        return (require_tensor(f"{name}[0] (K)", paged_kv_cache[0]),
+                require_tensor(f"{name}[1] (V)", paged_kv_cache[1]))
+    return require_tensor(name, paged_kv_cache), None
 
 
-def cache_page_shape(paged_kv_cache: object) -> tuple[object, tuple[int, int, int, int], torch.dtype,
-                                                       torch.device, tuple[tuple[str, torch.Tensor], ...]]:
+def cache_page_shape(paged_kv_cache: object, name: str = "paged_kv_cache",
+                     ) -> tuple[object, tuple[int, int, int, int], torch.dtype, torch.device,
+                                tuple[tuple[str, torch.Tensor], ...]]:
     """Check a combined [num_pages, 2, Hkv, P, D] or separate (K, V) HND cache, compact inside a
     page. Return (cache as the launcher takes it, (num_pages, Hkv, P, D), dtype, device, the
-    tensors by name for ``validate_out``'s overlap check)."""
-    kv, v = split_cache(paged_kv_cache)
+    tensors by name for ``validate_out``'s overlap check); errors call the cache ``name``."""
+    kv, v = split_cache(paged_kv_cache, name)
     if v is not None:
-        for name, t in (("K", kv), ("V", v)):
+        for part, t in (("K", kv), ("V", v)):
             if t.dim() != 4:
-                raise ValueError(f"paged_kv_cache {name} must be 4-D [num_pages, Hkv, P, D] (HND), got "
+                raise ValueError(f"{name} {part} must be 4-D [num_pages, Hkv, P, D] (HND), got "
                                  f"shape {_shape(t)}")
         if kv.shape != v.shape:
-            raise ValueError(f"paged_kv_cache K and V shapes differ: {_shape(kv)} vs {_shape(v)}")
+            raise ValueError(f"{name} K and V shapes differ: {_shape(kv)} vs {_shape(v)}")
         if kv.dtype != v.dtype:
-            raise TypeError(f"paged_kv_cache K and V dtypes differ: {kv.dtype} vs {v.dtype}")
+            raise TypeError(f"{name} K and V dtypes differ: {kv.dtype} vs {v.dtype}")
         if kv.device != v.device:
-            raise ValueError(f"paged_kv_cache K and V devices differ: {kv.device} vs {v.device}")
+            raise ValueError(f"{name} K and V devices differ: {kv.device} vs {v.device}")
         page_shape = tuple(kv.shape)
-        _check_page_dims(page_shape, _shape(kv), "paged_kv_cache K and V shape [num_pages, Hkv, P, D]")
-        for name, t in (("K", kv), ("V", v)):
-            _check_page_strides(name, page_shape, t.stride())
-        return (kv, v), page_shape, kv.dtype, kv.device, (("paged_kv_cache K", kv), ("paged_kv_cache V", v))
+        _check_page_dims(page_shape, _shape(kv), f"{name} K and V shape [num_pages, Hkv, P, D]")
+        for part, t in (("K", kv), ("V", v)):
+            _check_page_strides(f"{name} {part}", page_shape, t.stride())
+        return (kv, v), page_shape, kv.dtype, kv.device, ((f"{name} K", kv), (f"{name} V", v))
     shape = tuple(kv.shape)
     if len(shape) != 5 or shape[1] != 2:
-        raise ValueError(f"paged_kv_cache must be [num_pages, 2, Hkv, P, D] (HND) or a (K, V) tuple of "
+        raise ValueError(f"{name} must be [num_pages, 2, Hkv, P, D] (HND) or a (K, V) tuple of "
                          f"[num_pages, Hkv, P, D], got shape {list(shape)}")
     num_pages, _, hkv, p, d = shape
-    _check_page_dims((num_pages, hkv, p, d), list(shape), "paged_kv_cache shape [num_pages, 2, Hkv, P, D]")
+    _check_page_dims((num_pages, hkv, p, d), list(shape), f"{name} shape [num_pages, 2, Hkv, P, D]")
     stride = kv.stride()
     if stride[1] != hkv * p * d:
-        raise ValueError(f"paged_kv_cache must be compact inside a page (stride(1) == Hkv*P*D = "
+        raise ValueError(f"{name} must be compact inside a page (stride(1) == Hkv*P*D = "
                          f"{hkv * p * d}), got strides {stride}")
-    _check_page_strides("K/V", (num_pages, hkv, p, d), (stride[0], *stride[2:]))
-    return kv, (num_pages, hkv, p, d), kv.dtype, kv.device, (("paged_kv_cache", kv),)
+    _check_page_strides(f"{name} K/V", (num_pages, hkv, p, d), (stride[0], *stride[2:]))
+    return kv, (num_pages, hkv, p, d), kv.dtype, kv.device, ((name, kv),)
 
 
 def _check_page_dims(page_shape: tuple[int, int, int, int], shape: object, what: str) -> None:
@@ -413,14 +415,15 @@ def _check_page_dims(page_shape: tuple[int, int, int, int], shape: object, what:
         raise ValueError(f"{what} needs Hkv, P and D of at least 1, got {shape}")
 
 
-def _check_page_strides(name: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
+def _check_page_strides(what: str, shape: tuple[int, ...], stride: tuple[int, ...]) -> None:
     """Pages hold [Hkv, P, D] compactly (a dim of size 1 may have any stride: the kernels never step
-    along it, e.g. an NHD cache of one KV head transposed to HND); pages may be padded apart."""
+    along it, e.g. an NHD cache of one KV head transposed to HND); pages may be padded apart.
+    ``what``: the cache tensor, as the errors name it."""
     _, hkv, p, d = shape
     expected = (hkv * p * d, p * d, d, 1)
     inside = all(n == 1 or s == e for n, s, e in zip(shape[1:], stride[1:], expected[1:]))
     if not inside or (shape[0] > 1 and stride[0] < expected[0]):
-        raise ValueError(f"paged_kv_cache {name} needs compact HND strides inside a page (Hkv, P, D "
+        raise ValueError(f"{what} needs compact HND strides inside a page (Hkv, P, D "
                          f"strides {expected[1:]}, page stride >= {expected[0]}), got {tuple(stride)}")
 
 
