@@ -41,17 +41,6 @@ CAPTURE_HINT = ("to capture a decode step in a CUDA graph, plan a BatchDecodePag
 
 
 @dataclass(frozen=True)
-class ArgNames:
-    """What a public function calls q, the cache, the lengths and the K/V capacity, for its errors:
-    the wrapper's (the defaults), the one-shot op's or the capture call's (``oneshot``)."""
-
-    q: str = "q"
-    cache: str = "paged_kv_cache"
-    lens: str = "seq_lens"
-    capacity: str = "max_kv_len"
-
-
-@dataclass(frozen=True)
 class _Plan:
     """Everything ``run`` needs, published at once so a failed re-plan keeps the old plan."""
 
@@ -399,7 +388,7 @@ def _indptr_owner(plan: _Plan, qo_indptr) -> None:
 
 
 def run_plan(plan: _Plan, q, paged_kv_cache, seq_lens, block_tables, qo_indptr, bmm1_scale, bmm2_scale, out,
-             validate: bool, values_checked: bool = False, names: ArgNames = ArgNames()) -> torch.Tensor:
+             validate: bool, values_checked: bool = False, names: V.ArgNames = V.ArgNames()) -> torch.Tensor:
     """Validate (unless told not to) and launch. ``values_checked``: the metadata's values were read and
     checked already (the one-shot op), so only tensor layouts are checked here. Unvalidated, the tensors'
     shapes and dtypes are still matched against the plan on the host; where they do not match, the tensor

@@ -20,8 +20,8 @@ from .device import INTERPRETER
 from .kernels.metadata import read_metadata
 
 # What each function calls q, the cache, the lengths and the K/V capacity, for its errors.
-ONESHOT_NAMES = api.ArgNames(lens="seq_lens_kv")
-CAPTURE_CALL_NAMES = api.ArgNames(q="query", cache="kv_cache", lens="seq_lens", capacity="max_seq_len")
+ONESHOT_NAMES = V.ArgNames(lens="seq_lens_kv")
+CAPTURE_CALL_NAMES = V.ArgNames(q="query", cache="kv_cache", lens="seq_lens", capacity="max_seq_len")
 
 __all__ = ["batch_decode_with_paged_kv_cache", "prims_ts_batch_decode_with_kv_cache"]
 
@@ -132,7 +132,7 @@ def prims_ts_batch_decode_with_kv_cache(
 
 def _decode(q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q, mask_type,
             window_left, kv_layout, bmm1_scale, bmm2_scale, out, out_dtype, workspace_buffer, max_kv_len,
-            capture_mode: bool, names: api.ArgNames) -> torch.Tensor:
+            capture_mode: bool, names: V.ArgNames) -> torch.Tensor:
     """Both functions' eager body: the default form (host read, exact plan) or, with ``capture_mode``,
     the capturable one (host values only; ``out`` allocated only when omitted). Errors name q, the
     cache, the lengths and the capacity as ``names`` does."""
@@ -217,7 +217,7 @@ def _decode(q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_indptr, 
                         bmm2_scale, out, validate=True, values_checked=True, names=names)
 
 
-def _oneshot_batch_size(q, block_tables, seq_lens_kv, qo_indptr, packed: bool, names: api.ArgNames) -> int:
+def _oneshot_batch_size(q, block_tables, seq_lens_kv, qo_indptr, packed: bool, names: V.ArgNames) -> int:
     """B as q (or packed qo_indptr), block_tables and the lengths each give it; a ValueError naming
     every one of them when they disagree (so the caller sees which argument is off)."""
     if packed:
@@ -238,20 +238,20 @@ def _oneshot_batch_size(q, block_tables, seq_lens_kv, qo_indptr, packed: bool, n
     return counts[0][0]
 
 
-def _size_names(packed: bool, max_kv_len, names: api.ArgNames) -> tuple[str, str, str]:
+def _size_names(packed: bool, max_kv_len, names: V.ArgNames) -> tuple[str, str, str]:
     """What the op's errors call the batch size and the two capacities: the arguments they came from."""
     return ("the batch size (block_tables' rows)", f"max({names.lens})" if max_kv_len is None else names.capacity,
             "max_seq_len_q" if packed else "seq_len_q")
 
 
-def _head_names(names: api.ArgNames) -> tuple[str, str, str, str]:
+def _head_names(names: V.ArgNames) -> tuple[str, str, str, str]:
     """The op takes no head counts: it reads them from its tensors' shapes, and its errors say so."""
     return (f"{names.q}.shape[-2] (query heads Hq)", f"{names.cache}'s KV heads Hkv",
             f"{names.cache}'s head dim D (and {names.q}.shape[-1])", f"{names.cache}'s page size P")
 
 
 def _oneshot_query_mode(q: torch.Tensor, seq_len_q, qo_indptr, max_seq_len_q, capture_mode: bool,
-                        names: api.ArgNames):
+                        names: V.ArgNames):
     """(packed, query-length capacity; None: derive it from qo_indptr) from the one-shot's
     arguments and q's rank."""
     seq_len_q = V.require_int("seq_len_q", seq_len_q, minimum=1)
@@ -284,7 +284,7 @@ def _oneshot_query_mode(q: torch.Tensor, seq_len_q, qo_indptr, max_seq_len_q, ca
 
 def _oneshot_traced(q, paged_kv_cache, block_tables, seq_lens_kv, seq_len_q, qo_indptr, max_seq_len_q,
                     mask_type, window_left, kv_layout, bmm1_scale, bmm2_scale, out, out_dtype,
-                    workspace_buffer, max_kv_len, validate, names: api.ArgNames) -> torch.Tensor:
+                    workspace_buffer, max_kv_len, validate, names: V.ArgNames) -> torch.Tensor:
     """The one-shot op (or the capture call, by ``names``) as torch.compile traces it: checks that
     need no tensor data here, the rest when the graph runs (the eager function, called by the op)."""
     q = V.require_tensor(names.q, q)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -33,6 +34,17 @@ KV_DTYPES = (torch.float16, torch.bfloat16, FP8)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # + fp8 when q is fp8
 FP8_MIN_CAPABILITY = (8, 9)  # triton's float8e4nv (Ada, Hopper and newer)
 BF16_MIN_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class ArgNames:
+    """What a public function calls q, the cache, the lengths and the K/V capacity, for its errors:
+    the wrapper's (the defaults), the one-shot op's or the capture call's (``oneshot``)."""
+
+    q: str = "q"
+    cache: str = "paged_kv_cache"
+    lens: str = "seq_lens"
+    capacity: str = "max_kv_len"
 
 
 def _shape(t: torch.Tensor) -> list[int]:
