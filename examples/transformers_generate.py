@@ -10,7 +10,9 @@ slowly). Compares the tokens with transformers' own paged SDPA unless --no-compa
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import sys
 
 import torch
 
@@ -20,8 +22,9 @@ if not torch.cuda.is_available():
 try:
     from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 except ImportError as e:
-    raise SystemExit(f"transformers_generate.py: error: needs transformers 5.17 or 5.24 "
-                     f"(pip install 'tsdecode[transformers]'): {e}") from None
+    print(f"transformers_generate.py: error: needs transformers 5.17 or 5.24 "
+          f"(pip install 'tsdecode[transformers]'): {e}", file=sys.stderr)
+    sys.exit(2)
 
 from tsdecode.integrations import transformers as tsdecode_transformers  # noqa: E402
 
@@ -83,6 +86,10 @@ def main(argv=None) -> None:
     p.add_argument("--no-compare", action="store_true")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and tsdecode_transformers.transformers_api() == "5.17" \
+            and importlib.util.find_spec("psutil") is None:
+        p.error("transformers 5.17 on the CPU needs psutil (pip install psutil): without it its continuous "
+                "batching finds no free memory for the cache")
     try:
         model, prompts, decode = load(args, device)
     except (OSError, ValueError) as e:  # no such checkpoint, no network, an unknown model type

@@ -97,11 +97,28 @@ def tune_rows(path: str, src: str) -> list[dict]:
     return rows
 
 
+def _fail(message: str) -> None:
+    print(f"add_timings.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+SWEEP_COLUMNS = ("shape", "kind", "spread", "time_us", *SHAPE_FIELDS.values(), *CONFIG_FIELDS)
+TUNE_COLUMNS = ("specs", "state", "time_us", *CONFIG_FIELDS)
+
+
 def read_rows(path: str, src: str) -> list[dict]:
+    """The rows of a sweep or a tune's trials CSV; SystemExit naming the file where it is neither."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", newline="") as f:
-        header = f.readline()
-    return tune_rows(path, src) if "specs" in header.split(",") else sweep_rows(path, src)
+    try:
+        with opener(path, "rt", newline="") as f:
+            header = f.readline().strip().split(",")
+    except OSError as e:
+        _fail(f"{path}: cannot be read ({e.strerror or e})")
+    tune = "specs" in header
+    missing = [c for c in (TUNE_COLUMNS if tune else SWEEP_COLUMNS) if c not in header]
+    if missing:
+        _fail(f"{path}: not a sweep_configs.py CSV nor a tuner trials CSV (columns {missing} missing)")
+    return tune_rows(path, src) if tune else sweep_rows(path, src)
 
 
 def main(argv=None) -> int:

@@ -244,7 +244,7 @@ def backends() -> list[tuple[str, callable]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--csv", required=True, help="where to write the results (long-format CSV)")
     p.add_argument("--model", choices=sorted(MODELS), default="llama3-8b-8l")
     p.add_argument("--requests", type=int, default=48)

@@ -15,9 +15,17 @@
 # wheels; without the binaries it says so and uses a shared journal file instead, with the
 # two workers told apart as two hosts ($TSDECODE_TUNE_HOST).
 set -uo pipefail
+USAGE="usage: scripts/multi_gpu_tuning.sh ab1|scale|hosts|all OUT"
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+  ab1|scale|hosts|all) ;;
+  *) echo "multi_gpu_tuning.sh: unknown step '${1:-}'; $USAGE" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
-STEP=${1:?usage: scripts/multi_gpu_tuning.sh ab1|scale|hosts|all OUT}
-OUT=${2:?usage: scripts/multi_gpu_tuning.sh ab1|scale|hosts|all OUT}
+STEP=$1
+OUT=${2:?$USAGE}
+python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 2)" 2>/dev/null \
+  || { echo "multi_gpu_tuning.sh needs CUDA GPUs (torch finds none here)" >&2; exit 2; }
 mkdir -p "$OUT"
 PRESETS=${PRESETS:---preset llama3-8b --preset qwen2.5-7b}
 TRIALS=${TRIALS:-48}

@@ -24,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from tuner.arguments import ToolError, int_list_type, positive_int  # noqa: E402
+
 DISTS = {"block_n": [16, 32, 64, 128, 256], "block_m": [16, 32], "num_kv_splits": [1, 2, 4, 8, 16, 32],
          "num_warps": [1, 2, 4, 8], "num_stages": [1, 2, 3, 4, 5]}
 
@@ -118,10 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--storage", action="append", default=None,
                         help="storage URL or 'journal' / 'sqlite' / 'sqlite-nolock' (a fresh file in a temporary "
                              "folder); repeatable (default: journal, sqlite and sqlite-nolock)")
-    parser.add_argument("--processes", default="1,2,4,8", help="process counts (default %(default)s)")
-    parser.add_argument("--trials", type=int, default=60, help="trials per process (default %(default)s)")
+    parser.add_argument("--processes", type=int_list_type, default="1,2,4,8",
+                        help="process counts (default %(default)s)")
+    parser.add_argument("--trials", type=positive_int, default=60, help="trials per process (default %(default)s)")
     args = parser.parse_args(argv)
-    counts = [int(x) for x in args.processes.split(",")]
+    counts = args.processes
+    for storage in args.storage or []:
+        if storage not in ("journal", "sqlite", "sqlite-nolock"):
+            try:
+                _open(storage)
+            except ToolError as e:
+                parser.error(f"--storage {storage}: {e}")
     with tempfile.TemporaryDirectory() as tmp:
         print("storage,processes,trials_per_s,double_pops,pop_errors,queued", flush=True)
         for storage in args.storage or ["journal", "sqlite", "sqlite-nolock"]:

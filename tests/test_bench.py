@@ -509,3 +509,40 @@ def test_host_overhead_times_the_plan_rows_asked_for_as_another_gpu(tmp_path, ca
     for row in ("plan, config selected (S=1)", "run(validate=False, out=), checks only (S=1)",
                 "run(validate=False, out=), checks only (S=4)"):
         assert f"other: {row}" in out
+
+
+def test_add_timings_refuses_a_missing_or_foreign_csv_and_writes_nothing(tmp_path, capsys):
+    import add_timings
+
+    before = add_timings.DATA.read_bytes()
+    foreign = tmp_path / "foreign.csv"
+    foreign.write_text("a,b\n1,2\n")
+    for path, message in ((tmp_path / "none.csv", "cannot be read"),
+                          (foreign, "not a sweep_configs.py CSV nor a tuner trials CSV (columns ['shape',")):
+        with pytest.raises(SystemExit) as e:
+            add_timings.main(["--src", "ZZ", str(path)])
+        assert e.value.code == 2
+        assert f"add_timings.py: error: {path}: {message}" in capsys.readouterr().err
+    assert add_timings.DATA.read_bytes() == before
+
+
+def test_storage_bench_refuses_a_bad_storage_and_no_processes(capsys):
+    import storage_bench
+
+    for argv, message in ((["--storage", "bogus"], "--storage bogus: study storage 'bogus': not a storage URL"),
+                          (["--processes", "0"], "argument --processes: expected positive integers, got '0'"),
+                          (["--trials", "0"], "argument --trials: expected an integer >= 1")):
+        with pytest.raises(SystemExit) as e:
+            storage_bench.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_multi_gpu_tuning_checks_its_step_before_it_writes(tmp_path):
+    import subprocess
+
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "multi_gpu_tuning.sh")
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", script, "--bogus", str(out)], capture_output=True, text=True)
+    assert done.returncode == 2 and "unknown step '--bogus'" in done.stderr and not out.exists()
+    done = subprocess.run(["bash", script, "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "Multi-GPU tuning measurements" in done.stdout

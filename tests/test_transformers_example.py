@@ -63,8 +63,21 @@ def test_a_model_tsdecode_refuses_is_one_line(monkeypatch, capsys):
                          "tsdecode cannot run this model's decode attention (D=80) second line")
 
 
-def test_without_transformers_the_example_says_what_it_needs(monkeypatch):
+def test_without_transformers_the_example_says_what_it_needs(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     with pytest.raises(SystemExit) as e:
         _load("transformers_generate_without_transformers")
-    assert str(e.value).startswith("transformers_generate.py: error: needs transformers 5.17 or 5.24")
+    assert e.value.code == 2  # as docs/transformers.md says
+    assert capsys.readouterr().err.startswith("transformers_generate.py: error: needs transformers 5.17 or 5.24")
+
+
+def test_transformers_5_17_on_the_cpu_without_psutil_is_one_line(monkeypatch, capsys):
+    """5.17's continuous batching reads the free memory through psutil: without it, none (a
+    MemoryError deep in generate_batch)."""
+    monkeypatch.setattr(example.tsdecode_transformers, "transformers_api", lambda: "5.17")
+    monkeypatch.setattr(example.torch.cuda, "is_available", lambda: False)
+    real = example.importlib.util.find_spec
+    monkeypatch.setattr(example.importlib.util, "find_spec", lambda name: None if name == "psutil" else real(name))
+    line = _refused(["--no-compare"], capsys)
+    assert line.endswith(": error: transformers 5.17 on the CPU needs psutil (pip install psutil): without it its "
+                         "continuous batching finds no free memory for the cache")

@@ -1204,6 +1204,7 @@ def test_a_bucket_is_not_complete_while_its_default_waits_in_the_queue(tmp_path)
     (["--preset", "smoke", "--page-sizes", "32"], "--page-sizes shapes a custom grid only: give it with --batch-sizes"),
     (["--preset", "smoke", "--heads", "4:3"], "--heads shapes a custom grid only"),
     (["--trials", "0"], "--trials: expected an integer >= 1"),
+    (["--top-k", "0"], "--top-k: expected an integer >= 1"),  # no finalist: the search's winner thrown away
     (["--block-n", "48"], "--block-n [48] not in"),
     (["--num-kv-splits", "2000"], "--num-kv-splits [2000] not in [1, 1024]"),
     (["--num-warps", "1,x"], "--num-warps: expected a comma-separated list of integers"),
@@ -1458,6 +1459,8 @@ def test_a_corrupt_table_in_out_is_reported_once(tmp_path, capsys, caplog):
     (["--heads", "4:3"], "--heads 4:3: HQ and HKV must be positive, HQ a multiple of HKV"),
     (["--window-left", "5"], "--window-left 5 needs --mask causal"),
     (["--q-dtype", "float32"], "--q-dtype torch.float32 is not supported"),
+    (["--kv-dtype", "fp8"], "--kv-dtype: unknown dtype 'fp8'; one of ['float16', 'bfloat16', 'float8_e4m3fn']"),
+    (["--o-dtype", "half"], "--o-dtype: unknown dtype 'half'; one of ['float16', 'bfloat16', 'float8_e4m3fn', 'float32']"),
     (["--device", "tpu"], "--device tpu: expected cuda, cuda:N or cpu"),
     (["--device", "cpu:3"], "--device cpu:3: expected cuda, cuda:N or cpu"),
     (["--seq-len-q", "9" * 400], "--seq-len-q: expected an integer <= 9223372036854775807"),  # not a float overflow

@@ -84,7 +84,6 @@ def bounded(kind: type, minimum: float, strict: bool, maximum: int | None = None
 
 nonnegative_float = bounded(float, 0, strict=False)
 positive_int = bounded(int, 1, strict=False)
-nonnegative_int = bounded(int, 0, strict=False)
 # Durations in seconds and the CUDA-graph replay time in milliseconds.
 seconds_up_to_a_week = bounded(float, 0, strict=True, maximum=WEEK_S, unit="a week")
 seconds_up_to_a_year = bounded(float, 0, strict=True, maximum=YEAR_S, unit="a year")

@@ -98,7 +98,7 @@ def run_explain(args, device: str) -> int:
 
     import tsdecode
 
-    from .grids import DTYPES
+    from .grids import DTYPES, INPUT_DTYPE_NAMES
 
     try:
         hq, hkv = (int(x) for x in args.heads.split(":"))
@@ -110,16 +110,18 @@ def run_explain(args, device: str) -> int:
     if args.window_left >= 0 and args.mask != "causal":
         raise UsageError(f"{PROG} explain: error: --window-left {args.window_left} needs --mask causal")
 
-    def dtype(name):
-        if name is not None and name not in DTYPES:
-            raise UsageError(f"{PROG} explain: error: unknown dtype {name!r}; one of {list(DTYPES)}")
+    def dtype(flag, name, allowed):
+        if name is not None and name not in DTYPES:  # a known one it cannot take is refused below, named
+            raise UsageError(f"{PROG} explain: error: {flag}: unknown dtype {name!r}; one of {list(allowed)}")
         return None if name is None else DTYPES[name]
 
     try:
         text = tsdecode.explain(
             args.batch_size, args.kv_len, hq, hkv, args.head_dim, args.page_size, seq_len_q=args.seq_len_q,
-            packed=args.packed, mask_type=args.mask, window_left=args.window_left, q_dtype=dtype(args.q_dtype),
-            kv_dtype=dtype(args.kv_dtype), o_dtype=dtype(args.o_dtype), device=torch.device(device),
+            packed=args.packed, mask_type=args.mask, window_left=args.window_left,
+            q_dtype=dtype("--q-dtype", args.q_dtype, INPUT_DTYPE_NAMES),
+            kv_dtype=dtype("--kv-dtype", args.kv_dtype, INPUT_DTYPE_NAMES),
+            o_dtype=dtype("--o-dtype", args.o_dtype, DTYPES), device=torch.device(device),
             config_dir=args.config_dir)
     except (ValueError, TypeError, NotImplementedError) as e:
         raise UsageError(f"{PROG} explain: error: {_as_explain_flags(str(e))}") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .arguments import (PROG, Parser, UsageError, compile_workers, int_list_type, nonnegative_int, positive_int,
+from .arguments import (PROG, Parser, UsageError, compile_workers, int_list_type, positive_int,
                         replay_ms, seconds_up_to_a_week, seconds_up_to_a_year, seed_int)
 
 
@@ -44,7 +44,7 @@ def add_tune_arguments(p: argparse.ArgumentParser, cpu: bool, run: bool = True) 
     s.add_argument("--time-budget", type=seconds_up_to_a_year, default=None, metavar="SECONDS",
                    help="wall-clock budget of the whole search, shared evenly by the buckets still to tune")
     s.add_argument("--seed", type=seed_int, default=0, help="sampler seed (default %(default)s)")
-    s.add_argument("--top-k", type=nonnegative_int, default=3,
+    s.add_argument("--top-k", type=positive_int, default=3,
                    help="best configs of a bucket (the finalists) re-timed with the default config at the end "
                         "(default %(default)s)")
     s.add_argument("--retime-rounds", type=positive_int, default=2 if cpu else 5,
