@@ -164,6 +164,7 @@ def _separate(cache: torch.Tensor, v_dtype=None) -> tuple[torch.Tensor, torch.Te
 
 
 WORKSPACE = 1 << 20
+ON = "cuda:0" if DEVICE.type == "cuda" else "cpu"  # a device as the errors name it
 # name: (arguments replaced, from the fixture's tensors; the class; a pattern naming the argument)
 ERRORS = {
     "query not a tensor": (lambda i: dict(query=i.q.tolist()), TypeError, r"^query must be a torch.Tensor, got list"),
@@ -180,7 +181,7 @@ ERRORS = {
                          r"group size query.shape\[-2\] \(query heads Hq\)/kv_cache's KV heads Hkv must be <= 128"),
     "query head-dim stride": (lambda i: dict(query=_strided_query(i.q), out=torch.empty_like(i.q)), ValueError,
                               r"^query must be contiguous in the head dim"),
-    "query device": (lambda i: dict(query=_meta(i.q)), ValueError, r"^query is on meta but kv_cache is on cpu"),
+    "query device": (lambda i: dict(query=_meta(i.q)), ValueError, rf"^query is on meta but kv_cache is on {ON}"),
     "kv_cache not a tensor": (lambda i: dict(kv_cache="cache"), TypeError, r"^kv_cache must be a torch.Tensor"),
     "kv_cache three parts": (lambda i: dict(kv_cache=(i.cache,) * 3), ValueError,
                              r"^a separate kv_cache must be \(K, V\)"),
@@ -197,15 +198,17 @@ ERRORS = {
                           NotImplementedError, r"^kv_cache's head dim D \(and query.shape\[-1\]\) must be one of"),
     "workspace_buffer none": (lambda i: dict(workspace_buffer=None), TypeError,
                               r"^workspace_buffer must be a torch.Tensor, got NoneType"),
-    "workspace_buffer dtype": (lambda i: dict(workspace_buffer=torch.zeros(WORKSPACE // 4)), TypeError,
+    "workspace_buffer dtype": (lambda i: dict(workspace_buffer=torch.zeros(WORKSPACE // 4, device=DEVICE)), TypeError,
                                r"^workspace_buffer must be int8 or uint8"),
-    "workspace_buffer strided": (lambda i: dict(workspace_buffer=torch.zeros(2 * WORKSPACE, dtype=torch.uint8)[::2]),
+    "workspace_buffer strided": (lambda i: dict(workspace_buffer=torch.zeros(2 * WORKSPACE, dtype=torch.uint8,
+                                                                                         device=DEVICE)[::2]),
                                  ValueError, r"^workspace_buffer must be contiguous"),
-    "workspace_buffer unaligned": (lambda i: dict(workspace_buffer=torch.zeros(WORKSPACE, dtype=torch.uint8)[1:]),
+    "workspace_buffer unaligned": (lambda i: dict(workspace_buffer=torch.zeros(WORKSPACE, dtype=torch.uint8,
+                                                                                   device=DEVICE)[1:]),
                                    ValueError, r"^workspace_buffer must be 32-byte aligned"),
     "workspace_buffer device": (lambda i: dict(workspace_buffer=torch.zeros(WORKSPACE, dtype=torch.uint8,
                                                                             device="meta")),
-                                ValueError, r"^workspace_buffer must be on cpu, got meta"),
+                                ValueError, rf"^workspace_buffer must be on {ON}, got meta"),
     "block_tables dtype": (lambda i: dict(block_tables=i.block_tables.long()), TypeError,
                            r"^block_tables must be int32"),
     "block_tables rank": (lambda i: dict(block_tables=i.block_tables[0]), ValueError, r"^block_tables must be 2-D"),
@@ -218,7 +221,7 @@ ERRORS = {
     "seq_lens strided": (lambda i: dict(seq_lens=torch.stack([i.seq_lens, i.seq_lens], 1)[:, 0]), ValueError,
                          r"^seq_lens must be contiguous"),
     "seq_lens batch": (lambda i: dict(seq_lens=i.seq_lens[:1]), ValueError, r"seq_lens has 1 lengths"),
-    "seq_lens device": (lambda i: dict(seq_lens=_meta(i.seq_lens)), ValueError, r"^seq_lens must be on cpu, got meta"),
+    "seq_lens device": (lambda i: dict(seq_lens=_meta(i.seq_lens)), ValueError, rf"^seq_lens must be on {ON}, got meta"),
     "max_seq_len zero": (lambda i: dict(max_seq_len=0), ValueError, r"^max_seq_len must be >= 1, got 0$"),
     "max_seq_len float": (lambda i: dict(max_seq_len=64.0), TypeError, r"^max_seq_len must be an int, got float"),
     "max_seq_len none": (lambda i: dict(max_seq_len=None), TypeError, r"^max_seq_len must be an int, got NoneType"),
@@ -230,13 +233,13 @@ ERRORS = {
                   r"^out must be query's shape = \[2, 8, 64\], got \[2, 8, 32\]"),
     "out vs out_dtype": (lambda i: dict(out=torch.empty_like(i.q), out_dtype=FP16), TypeError,
                          r"^out_dtype=torch.float16 disagrees with out.dtype=torch.bfloat16"),
-    "out dtype": (lambda i: dict(out=torch.empty(i.q.shape, dtype=torch.int32)), NotImplementedError,
+    "out dtype": (lambda i: dict(out=torch.empty(i.q.shape, dtype=torch.int32, device=DEVICE)), NotImplementedError,
                   r"^out.dtype torch.int32 is not supported with query torch.bfloat16"),
-    "out device": (lambda i: dict(out=_meta(i.q)), ValueError, r"^out must be on cpu, got meta"),
+    "out device": (lambda i: dict(out=_meta(i.q)), ValueError, rf"^out must be on {ON}, got meta"),
     "out aliases query": (lambda i: dict(out=i.q), ValueError, r"^out must not alias query"),
     "out aliases kv_cache": (lambda i: dict(out=i.cache.view(-1)[:i.q.numel()].view(i.q.shape)), ValueError,
                              r"^out must not alias kv_cache"),
-    "out overlaps itself": (lambda i: dict(out=torch.empty(1, *i.q.shape[1:], dtype=BF16).expand(i.q.shape)),
+    "out overlaps itself": (lambda i: dict(out=torch.empty(1, *i.q.shape[1:], dtype=BF16, device=DEVICE).expand(i.q.shape)),
                             ValueError, r"^out must not overlap itself"),
     "out_dtype not a dtype": (lambda i: dict(out_dtype="float16"), TypeError, r"^out_dtype must be a torch.dtype"),
     "out_dtype unsupported": (lambda i: dict(out_dtype=torch.int8), NotImplementedError,
@@ -269,7 +272,7 @@ ONESHOT_NAMES = re.compile(r"paged_kv_cache|seq_lens_kv|max_kv_len|validate|(?<!
 
 
 def _check_error(i, kw, exc, pattern):
-    args = dict(query=i.q, kv_cache=i.cache, workspace_buffer=torch.zeros(WORKSPACE, dtype=torch.uint8),
+    args = dict(query=i.q, kv_cache=i.cache, workspace_buffer=torch.zeros(WORKSPACE, dtype=torch.uint8, device=DEVICE),
                 block_tables=i.block_tables, seq_lens=i.seq_lens, max_seq_len=64)
     if i.qo_indptr is not None:
         args.update(qo_indptr=i.qo_indptr, max_seq_len_q=2)
@@ -291,7 +294,7 @@ def test_packed_error_names_the_callers_argument(packed, name):
 
 def test_out_inside_the_workspace_names_it(inp):
     """An out in workspace_buffer's memory is refused, naming it (the partials would overwrite it)."""
-    workspace = torch.zeros(WORKSPACE, dtype=torch.uint8)
+    workspace = torch.zeros(WORKSPACE, dtype=torch.uint8, device=DEVICE)
     out = workspace[:2 * inp.q.numel()].view(BF16).view(inp.q.shape)
     with pytest.raises(ValueError, match=r"^out must not alias workspace_buffer"):
         prims_ts.prims_ts_batch_decode_with_kv_cache(inp.q, inp.cache, workspace, inp.block_tables, inp.seq_lens, 64,
