@@ -546,3 +546,7 @@ def test_multi_gpu_tuning_checks_its_step_before_it_writes(tmp_path):
     assert done.returncode == 2 and "unknown step '--bogus'" in done.stderr and not out.exists()
     done = subprocess.run(["bash", script, "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "Multi-GPU tuning measurements" in done.stdout
+    # a known step where torch finds no GPU: refused before OUT is made or a tuner starts
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PRESETS="--preset nope", TRIALS="1")
+    done = subprocess.run(["bash", script, "ab1", str(out)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2 and "needs CUDA GPUs" in done.stderr and not out.exists()

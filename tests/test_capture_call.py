@@ -339,6 +339,23 @@ def test_compiled_matches_reference_and_reads_new_lengths():
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("name", ["causal-window", "fp16-fp32-out"])
+def test_compiled_keeps_every_keyword(name):
+    """Compiled, the op gets the mask, the window, the scales and the output dtype as given (the
+    op's call passes each keyword on to this function)."""
+    torch._dynamo.reset()
+    case = CASES[name]
+    inp = build(case)
+    workspace = workspace_for(case, 64)
+    fn = torch.compile(lambda query, kv_cache, bt, seq_lens: prims_ts.prims_ts_batch_decode_with_kv_cache(
+        query, kv_cache, workspace, bt, seq_lens, 64, seq_len_q=case.seq_len_q, bmm1_scale=case.bmm1_scale,
+        bmm2_scale=case.bmm2_scale, out_dtype=case.out_dtype, mask_type=case.mask_type, window_left=case.window_left),
+        fullgraph=True, backend="aot_eager")
+    out = fn(inp.q, inp.cache, inp.block_tables, inp.seq_lens)
+    assert out.dtype == (case.out_dtype or case.dtype)
+    check(case, out, reference(case, inp))
+
+
 def test_compiled_errors_name_the_callers_arguments(inp):
     """Errors the op raises when the graph runs name this function's arguments too, as do those
     found while tracing (quoted in dynamo's error under fullgraph)."""

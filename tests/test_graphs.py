@@ -110,7 +110,9 @@ def test_a_step_of_the_wrong_shape_or_dtype_is_refused():
         ((q[:, :1], lens, table), ValueError, r"q must be \[B, Hq, D\] = \[3, 4, 64\]"),
         ((q[..., :1], lens, table), ValueError, r"q must be \[B, Hq, D\]"),
         ((q[0], lens, table), ValueError, "with B >= 1"),
+        ((q[:0], lens[:0], table[:0]), ValueError, "with B >= 1"),  # no request: an empty output, silently
         ((q.half(), lens, table), TypeError, r"q dtype must be torch.bfloat16 \(DecodeGraphs' q_data_type\)"),
+        ((q.to("meta"), lens, table), ValueError, rf"q must be on {DEVICE} \(the cache's device\), got meta"),
         ((q, lens[:1], table), ValueError, r"seq_lens must have shape \[B\]=\[3\]"),
         ((q, lens.long(), table), TypeError, "seq_lens must be int32"),
         ((q, lens, table[:1]), ValueError, r"block_tables must have one row per request \(B=3\)"),
@@ -119,8 +121,9 @@ def test_a_step_of_the_wrong_shape_or_dtype_is_refused():
     for args, error, message in cases:
         with pytest.raises(error, match=message):
             graphs(*args)
-    with pytest.raises(ValueError, match=r"pad_page=40 must be a page ID of the cache, in \[0, 40\)"):
-        DecodeGraphs(_cache(False), HQ, MAX_KV_LEN, pad_page=NUM_PAGES)
+    for pad_page in (NUM_PAGES, -1):
+        with pytest.raises(ValueError, match=rf"pad_page={pad_page} must be a page ID of the cache, in \[0, 40\)"):
+            DecodeGraphs(_cache(False), HQ, MAX_KV_LEN, pad_page=pad_page)
 
 
 def test_validate_checks_lengths_and_page_ids():
@@ -145,10 +148,17 @@ def test_a_narrower_table_leaves_no_earlier_page_ids():
     static = graphs.stage(q, lens, table[:, :2].contiguous())
     assert static.block_tables[:2, 2:].unique().tolist() == [3]
     assert static.block_tables[:2, :2].tolist() == table[:, :2].tolist()
+    graphs(*_step([20, 21], 2))  # six columns again
+    static = graphs.stage(q, lens, table[:, :5].contiguous())  # one column short of max_kv_len's six
+    assert static.block_tables[:2, 5].tolist() == [3, 3]
 
 
 def test_q_dtype_defaults_to_a_16_bit_caches_dtype():
     cache = _cache(False).half()
     graphs = DecodeGraphs(cache, HQ, MAX_KV_LEN, batch_sizes=(2,), capture=False)
     q, lens, table = _step([5, 11], 0)
-    _check(graphs(q.half(), lens, table), q.half(), cache, lens, table)
+    out = graphs(q.half(), lens, table)
+    assert out.dtype == torch.float16  # o_data_type defaults to q_data_type
+    _check(out, q.half(), cache, lens, table)
+    fp8 = DecodeGraphs(cache.to(torch.float8_e4m3fn), HQ, MAX_KV_LEN, batch_sizes=(2,), capture=False)
+    assert (fp8.q_dtype, fp8.o_dtype) == (torch.bfloat16, torch.bfloat16)  # an fp8 cache: a bf16 q

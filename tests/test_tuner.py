@@ -1881,6 +1881,9 @@ def test_shape_spec_refuses_zero_sizes_and_a_window_without_causal():
             ShapeSpec(**{"batch_size": 1, "kv_len": 64, **bad})
     with pytest.raises(ValueError, match="needs mask_type='causal'"):
         ShapeSpec(1, 64, window_left=8)
+    with pytest.raises(ValueError, match="a causal mask needs seq_len_q <= kv_len, got seq_len_q=8 and kv_len=4"):
+        ShapeSpec(1, 4, seq_len_q=8, mask_type="causal")
+    assert ShapeSpec(1, 8, seq_len_q=8, mask_type="causal").seq_len_q == 8  # as long as its K/V: it runs
 
 
 def test_problem_shape_spread_is_longest_over_mean_length():
@@ -1904,6 +1907,15 @@ def test_a_grid_named_twice_holds_each_shape_once():
                            seq_len_q=1, packed=False, mask="dense", window_left=-1, ragged=False)
     specs = specs_from_args(args)
     assert specs == PRESETS["smoke"]  # B1 L40 H4x2 D64 is a smoke shape already
+
+
+def test_a_causal_query_as_long_as_the_shortest_kv_is_a_grid():
+    from tuner.grids import specs_from_args
+
+    args = SimpleNamespace(preset=None, grid_file=None, batch_sizes="1", kv_lens="4,64", heads="4:2",
+                           head_dim="64", page_sizes="16", kv_dtypes="bfloat16", q_dtype=None, seq_len_q=4,
+                           packed=False, mask="causal", window_left=-1, ragged=False)
+    assert sorted(s.kv_len for s in specs_from_args(args)) == [4, 64]
 
 
 def test_a_buckets_space_is_built_for_its_longest_shape_and_speedup_is_default_over_winner():
