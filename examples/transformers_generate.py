@@ -86,8 +86,11 @@ def main(argv=None) -> None:
     p.add_argument("--no-compare", action="store_true")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and tsdecode_transformers.transformers_api() == "5.17" \
-            and importlib.util.find_spec("psutil") is None:
+    try:
+        api = tsdecode_transformers.transformers_api()
+    except RuntimeError as e:  # a transformers version tsdecode does not support
+        p.error(f"tsdecode cannot run this model: {_one_line(e)}")
+    if device.type == "cpu" and api == "5.17" and importlib.util.find_spec("psutil") is None:
         p.error("transformers 5.17 on the CPU needs psutil (pip install psutil): without it its continuous "
                 "batching finds no free memory for the cache")
     try:

@@ -268,7 +268,7 @@ PACKED_ERRORS = {
                         r"qo_indptr has 2 offsets \(B\+1\), block_tables has 2 rows, seq_lens has 2 lengths"),
 }
 # The one-shot op's names for the same arguments, which these errors must not use.
-ONESHOT_NAMES = re.compile(r"paged_kv_cache|seq_lens_kv|max_kv_len|validate|(?<![\w.])q(?:'s|\.| has| is| must| holds)")
+ONESHOT_NAMES = re.compile(r"paged_kv_cache|seq_lens_kv|max_kv_len|validate|(?<![\w.])q(?:'s|\.| has| is| must| holds| of)")
 
 
 def _check_error(i, kw, exc, pattern):

@@ -81,3 +81,18 @@ def test_transformers_5_17_on_the_cpu_without_psutil_is_one_line(monkeypatch, ca
     line = _refused(["--no-compare"], capsys)
     assert line.endswith(": error: transformers 5.17 on the CPU needs psutil (pip install psutil): without it its "
                          "continuous batching finds no free memory for the cache")
+
+
+def test_an_unsupported_transformers_version_is_one_line(monkeypatch, capsys):
+    """transformers_api() raises RuntimeError for a version other than 5.17 and 5.24: one line and
+    status 2, as docs/transformers.md says, on the CPU too (where the psutil check asks for it
+    before enable does)."""
+    def unsupported():
+        raise RuntimeError("tsdecode.integrations.transformers supports transformers 5.17 and 5.24; "
+                           "found transformers 5.20.0")
+
+    monkeypatch.setattr(example.tsdecode_transformers, "transformers_api", unsupported)
+    monkeypatch.setattr(example.torch.cuda, "is_available", lambda: False)
+    line = _refused(["--no-compare"], capsys)
+    assert line.endswith(": error: tsdecode cannot run this model: tsdecode.integrations.transformers supports "
+                         "transformers 5.17 and 5.24; found transformers 5.20.0")

@@ -1346,7 +1346,7 @@ def test_cli_grid_file_lists_must_be_positive_integers(lists, message, tmp_path,
     (["--q-dtype", "float32"], "--kv-dtypes bfloat16 with --q-dtype float32: q_data_type torch.float32 is not "
                                "supported"),
     (["--q-dtype", "float16"], "--kv-dtypes bfloat16 with --q-dtype float16: kv_data_type torch.bfloat16 (a "
-                               "16-bit K/V cache) needs q of the same dtype"),
+                               "16-bit K/V cache) needs a query of the same dtype"),
     (["--kv-dtypes", "float32"], "--kv-dtypes: ['float32'] cannot be a K/V cache dtype"),
 ], ids=["q_float32", "q_other_half", "kv_float32"])
 def test_an_unsupported_dtype_pair_is_a_usage_error(command, dtypes, message, tmp_path, capsys):

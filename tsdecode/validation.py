@@ -206,7 +206,7 @@ def resolve_dtypes(q_dtype: object, kv_dtype: object, o_dtype: object,
     if kv_dtype not in KV_DTYPES:
         raise NotImplementedError(f"{names[1]} {kv_dtype} is not supported; expected one of {list(KV_DTYPES)}")
     if kv_dtype in HALF_DTYPES and q_dtype != kv_dtype:
-        raise NotImplementedError(f"{names[1]} {kv_dtype} (a 16-bit K/V cache) needs q of the same dtype, "
+        raise NotImplementedError(f"{names[1]} {kv_dtype} (a 16-bit K/V cache) needs a query of the same dtype, "
                                   f"got {names[0]} {q_dtype}")
     if q_dtype == FP8 and kv_dtype != FP8:
         raise NotImplementedError(f"{names[0]} float8_e4m3fn (an fp8 query) needs an fp8 K/V cache, got "
