@@ -125,6 +125,15 @@ def smaller_tile_fits_one_wave(config: KernelConfig, shape: ProblemShape, device
     return _fit_one_wave(config, shape, device).block_n < config.block_n
 
 
+def one_split_whole_tile(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> bool:
+    """Whether ``_spread_warps`` gives one split's one-warp programs of ``config`` one whole
+    request's tile each: a program is then one load, its chain of tiles gone."""
+    if config.num_warps != 1:
+        return False
+    spread = _spread_warps(dataclasses.replace(config, num_kv_splits=1), shape, device)
+    return spread.num_warps > 1 and spread.num_kv_splits == 1 and shape.max_visible_tiles(spread.block_n) == 1
+
+
 def _one_split_depth(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
     """One-split programs of 16-bit one-warp tiles inside pages with fewer than LEAN_DEEP_MIN_ROWS
     query rows (three stages from step 1, one tile in flight) take ONE_SPLIT_STAGES where their

@@ -33,7 +33,7 @@ import math
 from ..device import DeviceProperties
 from .family import IN_FLIGHT_BYTES_PER_SM, Occupancy
 from .partials import merge_cost, merge_read_bytes, partials_bound
-from .programs import SCHEDULERS_PER_SM, smaller_tile_fits_one_wave
+from .programs import SCHEDULERS_PER_SM, TWO_TILE_MIN_ROWS, one_split_whole_tile, smaller_tile_fits_one_wave
 from .space import MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape
 
 # Long requests: about FULL_WAVES waves of splits of at least MIN_TOKENS_PER_LONG_SPLIT tokens
@@ -107,7 +107,7 @@ def _wave_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) 
     if occ.family == "wide":
         return _wide_count(shape, occ, splits, balanced, tiles, sms)
     if splits > 1 and occ.config.num_warps == 1 and not balanced:
-        return _least_time_count(shape, occ, splits, sms)
+        return _least_time_count(shape, occ, splits, device)
     return splits
 
 
@@ -189,18 +189,40 @@ def _wide_count(shape: ProblemShape, occ: Occupancy, splits: int, balanced: bool
     return min(counts, key=lambda count: _time(shape, occ, count, sms))
 
 
-def _least_time_count(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> int:
+def _least_time_count(shape: ProblemShape, occ: Occupancy, splits: int, device: DeviceProperties) -> int:
     """A one-warp count above one must save more time than its merge pass and partial outputs
     cost (``_time``): of one split and the counts up to ``splits`` from the loads' own target
     (where the fp8 minimum raised the target) or from one (where the merge pass's partials
-    outweigh the K/V bytes, ``_merge_bound``), the least time, the fewest splits on a tie."""
+    outweigh the K/V bytes, ``_merge_bound``), the least time, the fewest splits on a tie.
+    One split of an fp8 cache's programs of at least TWO_TILE_MIN_ROWS query rows is timed as
+    step 4 runs it: where that gives each program one whole request's tile
+    (``programs.one_split_whole_tile``), a program is one load (``_one_load_time``), not the chain
+    of one-warp tiles ``_time`` counts. Fewer rows leave a warp waiting on its loads rather than on
+    its products and conversion, and write little partial output (as ``programs._two_tile_programs``);
+    a 16-bit cache's one-warp programs mostly measured no faster for four warps
+    (``programs._programs_short_of_warps``)."""
+    sms = device.sm_count
     fewest = splits
     if occ.target > occ.bytes_target:
         fewest = min(splits, max(1, math.floor(occ.bytes_target * sms / occ.base_programs + 0.5)))
     if _merge_bound(shape, occ, splits, sms):
         fewest = 1
     counts = [1, *range(fewest, splits + 1)]
-    return min(counts, key=lambda count: _time(shape, occ, count, sms))
+    whole = (shape.kv_dtype.itemsize == 1 and shape.rows_per_kv_head >= TWO_TILE_MIN_ROWS
+             and one_split_whole_tile(occ.config, shape, device))
+
+    def time(count: int) -> float:
+        return _one_load_time(shape, occ, sms) if count == 1 and whole else _time(shape, occ, count, sms)
+    return min(counts, key=time)
+
+
+def _one_load_time(shape: ProblemShape, occ: Occupancy, sms: int) -> float:
+    """``_time`` of one split whose programs load a whole request in one tile: one load latency
+    (IN_FLIGHT_BYTES_PER_SM, the tile in flight at once), or the busiest SM's K/V bytes of the mean
+    request where those take longer."""
+    mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
+    request_bytes = 2 * math.ceil(mean_tokens) * shape.block_d * shape.kv_dtype.itemsize
+    return max(IN_FLIGHT_BYTES_PER_SM, -(-occ.base_programs // sms) * request_bytes)
 
 
 def _within_schedulers(shape: ProblemShape, occ: Occupancy, splits: int, tiles: int, sms: int) -> int:
