@@ -627,6 +627,20 @@ def test_fp8_one_split_of_whole_request_tiles_is_timed_as_one_load():
                                                               num_warps=1, num_stages=2)
 
 
+def test_fp8_whole_request_tiles_need_a_scheduler_busy_for_each_sm():
+    """One split of whole-request tiles is timed as one load only where its programs keep at least
+    one warp scheduler busy for each SM (programs x SCHEDULERS_PER_SM >= SMs); fewer programs keep
+    the split count's one-warp programs, which reach every SM. B=12, G=6, Hkv=2, D=128, pages of
+    64 tokens, 207 tokens: 24 programs, 13 splits of 16-token tiles; B=17 (34 programs): the whole
+    tile."""
+    assert PR.SCHEDULERS_PER_SM == 4 and H200.sm_count == 132
+    whole = KernelConfig(block_n=256, block_m=16, num_kv_splits=1, num_warps=8, num_stages=1)
+    few = make_shape(12, 207, num_qo_heads=12, num_kv_heads=2, page_size=64, kv_dtype=FP8)
+    assert heuristic_config(few, H200) == KernelConfig(block_n=16, block_m=16, num_kv_splits=13,
+                                                       num_warps=1, num_stages=2)
+    assert heuristic_config(dataclasses.replace(few, batch_size=17), H200) == whole
+
+
 def test_one_warp_gathering_programs_of_a_16_bit_cache_take_one_a_scheduler():
     """B=1, G=9, Hkv=8, D=64, pages of 2 tokens, 11291 tokens: 8 programs of 32-token one-warp
     tiles that cross pages, 11 fit an SM, half of them asked (5.5): round(5.5 x 132 / 8) = 91

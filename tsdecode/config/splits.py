@@ -197,7 +197,11 @@ def _least_time_count(shape: ProblemShape, occ: Occupancy, splits: int, device: 
     One split of an fp8 cache's programs of at least TWO_TILE_MIN_ROWS query rows is timed as
     step 4 runs it: where that gives each program one whole request's tile
     (``programs.one_split_whole_tile``), a program is one load (``_one_load_time``), not the chain
-    of one-warp tiles ``_time`` counts. Fewer rows leave a warp waiting on its loads rather than on
+    of one-warp tiles ``_time`` counts, provided those programs keep at least one warp scheduler
+    busy for each SM (programs x SCHEDULERS_PER_SM >= SMs): fewer whole-request programs do every
+    request's conversion and products on a few SMs while the rest idle, so one SM's work, which
+    the clock does not count, sets their time, where the split's one-warp programs reach every
+    SM. Fewer rows leave a warp waiting on its loads rather than on
     its products and conversion, and write little partial output (as ``programs._two_tile_programs``);
     a 16-bit cache's one-warp programs mostly measured no faster for four warps
     (``programs._programs_short_of_warps``)."""
@@ -209,6 +213,7 @@ def _least_time_count(shape: ProblemShape, occ: Occupancy, splits: int, device: 
         fewest = 1
     counts = [1, *range(fewest, splits + 1)]
     whole = (shape.kv_dtype.itemsize == 1 and shape.rows_per_kv_head >= TWO_TILE_MIN_ROWS
+             and occ.base_programs * SCHEDULERS_PER_SM >= sms  # a scheduler busy for each SM
              and one_split_whole_tile(occ.config, shape, device))
 
     def time(count: int) -> float:
