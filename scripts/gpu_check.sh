@@ -52,6 +52,19 @@ p = torch.cuda.get_device_properties(0)
 print(f"device: {p.name}, {p.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
 PY
 steps=${*:-tests bench}
+# A GPU machine without a package index lacks what this tree imports unless its wheels are carried
+# (.whl/, installed by device_env.sh): name what is missing once, before any step fails on it.
+missing=$(python3 - $steps <<'PY'
+import importlib.util, re, sys, tomllib
+with open("pyproject.toml", "rb") as f:
+    project = tomllib.load(f)["project"]
+need = [re.split(r"[\[<>=!~ ;]", d)[0] for d in project["dependencies"]]  # the runtime's own
+if {"tests", "tune", "modeltune", "report"} & set(sys.argv[1:]):
+    need += ["optuna", "filelock", "pandas"]  # the tuner's (its PostgreSQL driver is optional)
+print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
+PY
+)
+[ -z "$missing" ] || { echo "gpu_check.sh: not importable here: $missing (copy their wheels into .whl/)" >&2; exit 2; }
 rc=0
 # A device call returns only a few files: after each step everything in $OUT is packed into one
 # archive as well (results.tgz), so a call cut short still brings back the steps it finished.
