@@ -10,8 +10,13 @@ read from their names (``B4_L1800_H112x16_D64_P2_float8_e4m3fn_ragged``: dense m
 shape a bucket) and their length spread from the lengths the tuner drew
 (``tuner.measure.seq_lens_for``, seed 0).
 
+A sweep of a ``model_scores.py --untimed`` list (``sweep_configs.py --configs LIST``) takes its
+sources from that list with ``--src-from LIST``: each row goes to every source the list names its
+shape under, and a swept shape the list does not name is an error.
+
 Usage: python scripts/add_timings.py --src D sweep.csv [more.csv ...]
        python scripts/add_timings.py --src J reports/.../tune_random_seed17_trials.csv.gz
+       python scripts/add_timings.py --src-from configs_x.csv sweep_x.csv
 """
 
 from __future__ import annotations
@@ -121,9 +126,38 @@ def read_rows(path: str, src: str) -> list[dict]:
     return tune_rows(path, src) if tune else sweep_rows(path, src)
 
 
+def sources_by_shape(path: str) -> dict[str, list[str]]:
+    """{shape: its sources} of a ``model_scores.py --untimed`` list (its ``src`` and ``shape``)."""
+    out: dict[str, list[str]] = {}
+    try:
+        with open(path, newline="") as f:
+            reader = csv.DictReader(f)
+            if not {"src", "shape"} <= set(reader.fieldnames or ()):
+                _fail(f"--src-from {path}: not a model_scores.py --untimed list (columns src and shape)")
+            for r in reader:
+                if r["src"] not in out.setdefault(r["shape"], []):
+                    out[r["shape"]].append(r["src"])
+    except OSError as e:
+        _fail(f"--src-from {path}: cannot be read ({e.strerror or e})")
+    return out
+
+
+def listed_rows(paths: list[str], listing: str) -> list[dict]:
+    """The rows of sweeps of a configs list, each under every source the list names its shape."""
+    sources = sources_by_shape(listing)
+    rows = [r for path in paths for r in read_rows(path, "")]
+    unlisted = sorted({r["shape"] for r in rows} - set(sources))
+    if unlisted:
+        _fail(f"--src-from {listing} names no source for the swept shapes {unlisted}")
+    return [dict(r, src=src) for r in rows for src in sources[r["shape"]]]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--src", required=True, help="the source letter of the new rows")
+    source = ap.add_mutually_exclusive_group(required=True)
+    source.add_argument("--src", help="the source letter of the new rows")
+    source.add_argument("--src-from", metavar="LIST",
+                        help="the model_scores.py --untimed list the sweeps timed: each row under its shape's sources")
     ap.add_argument("csv", nargs="+")
     args = ap.parse_args(argv)
     with lzma.open(DATA, "rt") as f:
@@ -132,8 +166,9 @@ def main(argv=None) -> int:
     rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
     fields = list(rows[0])
     have = {(r["src"], r["shape"]) + tuple(r[k] for k in CONFIG_FIELDS) for r in rows}
-    new = [r for path in args.csv for r in read_rows(path, args.src)
-           if (r["src"], r["shape"]) + tuple(r[k] for k in CONFIG_FIELDS) not in have]
+    read = listed_rows(args.csv, args.src_from) if args.src_from else [r for path in args.csv
+                                                                       for r in read_rows(path, args.src)]
+    new = [r for r in read if (r["src"], r["shape"]) + tuple(r[k] for k in CONFIG_FIELDS) not in have]
     fastest: dict[tuple, float] = {}
     for r in rows + new:
         key = (r["src"], r["shape"])
@@ -145,7 +180,8 @@ def main(argv=None) -> int:
     writer.writeheader()
     writer.writerows(dict(r, time_us=time_text(r["time_us"])) for r in kept)
     DATA.write_bytes(lzma.compress(out.getvalue().encode(), preset=XZ_PRESET))  # the same rows, the same bytes
-    print(f"{len(new)} rows of {len({r['shape'] for r in new})} shapes added to {DATA} as source {args.src}; "
+    added = args.src or "/".join(sorted({r["src"] for r in new})) or "(none)"
+    print(f"{len(new)} rows of {len({r['shape'] for r in new})} shapes added to {DATA} as source {added}; "
           f"{len(rows) + len(new) - len(kept)} rows slower than {KEEP_WITHIN:g}x their shape's fastest dropped")
     return 0
 

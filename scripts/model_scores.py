@@ -12,8 +12,8 @@ on ``scripts/ab_trees.py``'s suites (the lengths its inputs draw), so an A/B's m
 known before the GPU call. ``--misses R`` lists this tree's picks slower than R x the best.
 ``--untimed CSV`` writes this tree's unmeasured picks of the timings' shapes (with ``--other``,
 those that differ from the other tree's, and its pick beside each), with their source (``src``),
-for ``scripts/sweep_configs.py --configs`` to time in one device call; split its output by the
-rows' sources and add each part with ``scripts/add_timings.py --src``.
+for ``scripts/sweep_configs.py --configs`` to time in one device call; ``scripts/add_timings.py
+--src-from`` that list adds the sweep's rows under their sources.
 
 Usage: python scripts/model_scores.py
        python scripts/model_scores.py --misses 1.10 --src O,P

@@ -1909,6 +1909,41 @@ def test_add_timings_reads_a_tunes_trials(tmp_path):
         tool.tune_rows(str(path), "J")
 
 
+def test_add_timings_takes_a_listed_sweeps_sources_from_its_list(tmp_path, monkeypatch, capsys):
+    """scripts/add_timings.py --src-from LIST: a sweep of a model_scores.py --untimed list adds each
+    row under every source the list names its shape under (a shape two sources share goes to both),
+    and a swept shape the list does not name stops it before anything is written."""
+    tool = _script("add_timings")
+    data = tmp_path / "timings.csv.xz"
+    fields = "src,shape,batch_size,max_kv_len,num_qo_heads,num_kv_heads,head_dim,page_size,kv_dtype,window_left," \
+             "mask_kind,spread,block_n,block_m,num_kv_splits,num_warps,num_stages,time_us"
+    shared, own = "B2_L129_H56x8_D64_P2_float8_e4m3fn", "B18_L146_H10x1_D64_P48_float8_e4m3fn"
+    data.write_bytes(lzma.compress(f"# timings\n{fields}\nS,{shared},2,129,56,8,64,2,float8_e4m3fn,-1,dense,1,"
+                                   "32,16,5,4,2,5.0\n".encode()))
+    listing = tmp_path / "configs.csv"
+    listing.write_text("src,shape,block_n\nAS,%s,256\nL,%s,256\nAS,%s,256\nM,%s,32\n" % (shared, shared, own, own))
+    columns = "shape,batch_size,kv_len,num_qo_heads,num_kv_heads,head_dim,page_size,kv_dtype,window_left," \
+              "mask_type,spread,kind,block_n,block_m,num_kv_splits,num_warps,num_stages,time_us"
+    sweep = tmp_path / "sweep.csv"
+    sweep.write_text("\n".join([columns, f"{shared},2,129,56,8,64,2,float8_e4m3fn,-1,dense,1.0,final,256,16,1,4,1,4.5",
+                                f"{own},18,146,10,1,64,48,float8_e4m3fn,-1,dense,1.0,final,256,16,1,4,1,3.25"]) + "\n")
+    monkeypatch.setattr(tool, "DATA", data)
+    assert tool.main(["--src-from", str(listing), str(sweep)]) == 0
+    assert "4 rows of 2 shapes added" in capsys.readouterr().out
+    lines = lzma.decompress(data.read_bytes()).decode().splitlines()[2:]
+    added = sorted((line.split(",")[0], line.split(",")[1], line.split(",")[-1]) for line in lines)
+    assert added == [("AS", own, "3.25"), ("AS", shared, "4.5"), ("L", shared, "4.5"), ("M", own, "3.25"),
+                     ("S", shared, "5")]
+    before = data.read_bytes()
+    listing.write_text(f"src,shape\nAS,{shared}\n")
+    with pytest.raises(SystemExit) as e:
+        tool.main(["--src-from", str(listing), str(sweep)])
+    assert e.value.code == 2 and f"names no source for the swept shapes ['{own}']" in capsys.readouterr().err
+    assert data.read_bytes() == before
+    with pytest.raises(SystemExit):
+        tool.main(["--src", "S", "--src-from", str(listing), str(sweep)])  # one way of naming sources
+
+
 def test_add_timings_keeps_four_digits_and_drops_configs_far_slower_than_the_fastest(tmp_path, monkeypatch):
     """scripts/add_timings.py's write: times to four significant digits (old rows too), a (source,
     shape)'s configs slower than KEEP_WITHIN x its fastest dropped, the comments kept, and the same
