@@ -126,11 +126,9 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
     block_m = dot_block_m(shape.rows_per_kv_head)
     kv_bytes, block_d = shape.kv_dtype.itemsize, shape.block_d
     page = shape.page_size
+    lean = lean_rows = holds_lean_rows(shape)
     if block_d > LEAN_MAX_HEAD_DIM:
-        lean_rows = shape.rows_per_kv_head <= LEAN_WIDE_HEAD_MAX_ROWS
         lean = lean_rows and page % LEAN_WIDE_HEAD_TOKENS == 0
-    else:
-        lean = lean_rows = shape.rows_per_kv_head <= LEAN_MAX_ROWS
     short_tile = KernelConfig(block_n=SHORT_BLOCK_N, block_m=block_m, num_warps=4, num_stages=2)
     # A whole request's tile gathers its pages whatever their size, so the rows, not the pages,
     # decide whether a program holds one.
@@ -158,6 +156,13 @@ def tile_family(shape: ProblemShape, device: DeviceProperties) -> tuple[KernelCo
     if short is not None:
         return short, "short"
     return KernelConfig(block_n=block_n, block_m=block_m, num_warps=1, num_stages=stages), "lean"
+
+
+def holds_lean_rows(shape: ProblemShape) -> bool:
+    """Whether a lean program's rows hold a KV head's query rows: LEAN_MAX_ROWS, or
+    LEAN_WIDE_HEAD_MAX_ROWS above LEAN_MAX_HEAD_DIM."""
+    rows = LEAN_WIDE_HEAD_MAX_ROWS if shape.block_d > LEAN_MAX_HEAD_DIM else LEAN_MAX_ROWS
+    return shape.rows_per_kv_head <= rows
 
 
 def _whole_request_tile(shape: ProblemShape, block_m: int) -> KernelConfig | None:

@@ -7,16 +7,21 @@ once their split count is known, against the SMs that run them.
   (``_one_split_depth``); those of short requests that fill more than half a wave take smaller
   tiles where those fill no more than half of theirs, or, at the smallest tile already, fewer
   stages where one tile in flight keeps an SM's loads (``_half_wave_tiles``).
+- Short-family programs of an fp8 cache that step 3 leaves one split take the whole-request tile
+  their four warps hold in registers (``_short_whole_tile``).
 - One-warp programs left two tiles each take four warps and one larger tile (``_two_tile_programs``).
 - One-warp programs no more than the SMs take four warps, and one tile a program where a tile
   held in registers makes it one, or where they leave many SMs idle (``_spread_warps``).
 - One-warp programs of many query rows that leave each warp scheduler one warp or none take four
   warps and one larger tile a program: fp8 caches, and 16-bit ones at D = 128 whose programs run
   one tile already (``_programs_short_of_warps``); so do one-warp programs of one page-gathering
-  tile each at MANY_SPLITS or more splits (``_many_one_tile_splits``).
+  tile each at MANY_SPLITS or more splits, or of more splits than one merge pass reads
+  (``_many_one_tile_splits``).
 - A one-warp program of one tile takes the fewest stages (``_one_tile_stages``).
 - Four-warp fp8 programs of large tiles, or of one tile that gathers several pages, load them
   straight to registers (``_direct_fp8_loads``).
+- Four-warp programs of one tile inside a page, no more than the SMs, take two stages
+  (``_lone_tile_stages``).
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from __future__ import annotations
 import dataclasses
 
 from ..device import DeviceProperties
-from .family import IN_FLIGHT_BYTES_PER_SM, LEAN_DEEP_MIN_ROWS
+from .family import IN_FLIGHT_BYTES_PER_SM, LEAN_DEEP_MIN_ROWS, holds_lean_rows
 from .residency import REGISTER_SUB_PARTITIONS, resident_programs_per_sm
-from .space import BLOCK_N_CHOICES, MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape
+from .space import (BLOCK_N_CHOICES, MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape,
+                    merge_splits_per_pass)
 
 # Warp schedulers of an SM, one a register sub-partition: one-warp programs that have an SM each
 # leave all but one idle.
@@ -85,17 +91,26 @@ MANY_SPLITS_MIN_BLOCK_N = 32
 # tile's tokens for each of the four warps.
 FEW_PROGRAMS_SHARE = 0.6
 SPREAD_TILE_TOKENS = 64
+# Eight-warp programs of one register-held tile of a 16-bit cache that cover at most this share of
+# the SMs stage the tile (two stages) rather than load it straight to registers: so few programs
+# leave DRAM short of work, and each busy SM's own load path sets the time, which the staged
+# tile's asynchronous copies of its K and V keep fuller than its warps' register loads do. With
+# more programs DRAM's bandwidth bounds them and staging's round trip through shared memory
+# costs more than it saves; the share is where the two cross in the H200 timings (docs/design.md).
+STAGED_EIGHT_WARP_MAX_SHARE = 0.4
 
 
 def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
                         device: DeviceProperties) -> KernelConfig:
     """Step 4 for ``config`` of ``family`` ("lean", "wide" or "short"), its split count chosen."""
     if family == "lean" and config.num_kv_splits == 1:
-        config = _one_split_depth(_fit_one_wave(config, shape, device), shape, device)
-        config = _half_wave_tiles(config, shape, device)
+        config = _half_wave_tiles(one_split_depth(config, shape, device), shape, device)
+    if family == "short" and config.num_kv_splits == 1:
+        config = _short_whole_tile(config, shape)
     config = _spread_warps(_two_tile_programs(config, shape), shape, device)
-    config = _many_one_tile_splits(_programs_short_of_warps(config, shape, device), shape)
-    return _direct_fp8_loads(_one_tile_stages(config, shape), shape)
+    config = _many_one_tile_splits(_programs_short_of_warps(config, shape, device), shape, device)
+    config = _lone_tile_stages(_direct_fp8_loads(_one_tile_stages(config, shape), shape), shape, device)
+    return _few_staged_eight_warp_tiles(config, shape, device)
 
 
 def _fit_one_wave(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
@@ -134,6 +149,28 @@ def one_split_whole_tile(config: KernelConfig, shape: ProblemShape, device: Devi
     return spread.num_warps > 1 and spread.num_kv_splits == 1 and shape.max_visible_tiles(spread.block_n) == 1
 
 
+def short_whole_tile(shape: ProblemShape) -> int | None:
+    """The tile (``block_n``) that holds a whole request of an fp8 cache in one load its short
+    family's four warps hold in registers (at most REGISTER_BOUND_TILE_ELEMENTS), for a program of
+    no more rows than a lean one's (as step 1's whole-request tile); else None. Step 3 times one
+    split of it as one load (``splits._one_load_time``); a 16-bit cache's tile (twice the bytes), or
+    one that takes more warps, keeps the short family's one tile a split."""
+    block_n = next((n for n in BLOCK_N_CHOICES if shape.max_visible_tiles(n) == 1), None)
+    if (block_n is None or shape.kv_dtype.itemsize != 1 or not holds_lean_rows(shape)
+            or block_n * shape.block_d > REGISTER_BOUND_TILE_ELEMENTS):
+        return None
+    return block_n
+
+
+def _short_whole_tile(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
+    """Short-family programs that step 3 leaves one split of a request longer than their tile take
+    the whole-request tile it timed (``short_whole_tile``), loaded straight to registers."""
+    block_n = short_whole_tile(shape)
+    if block_n is None or shape.max_visible_tiles(config.block_n) == 1:
+        return config
+    return _one_tile_a_program(config, shape, block_n)
+
+
 def _one_split_depth(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
     """One-split programs of 16-bit one-warp tiles inside pages with fewer than LEAN_DEEP_MIN_ROWS
     query rows (three stages from step 1, one tile in flight) take ONE_SPLIT_STAGES where their
@@ -151,6 +188,11 @@ def _one_split_depth(config: KernelConfig, shape: ProblemShape, device: DevicePr
         room = resident_programs_per_sm(candidate, shape, device, one_split=True) * device.sm_count
         return -(-programs // room)
     return deeper if waves(deeper) <= waves(config) else config
+
+
+def one_split_depth(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """``config``'s programs at one split as step 4 deepens them (``_one_split_depth``), for step 3."""
+    return _one_split_depth(_fit_one_wave(config, shape, device), shape, device)
 
 
 def _half_wave_tiles(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
@@ -268,25 +310,35 @@ def _programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
     return _one_tile_a_program(config, shape, block_n)
 
 
-def _many_one_tile_splits(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
+def _many_one_tile_splits(config: KernelConfig, shape: ProblemShape,
+                          device: DeviceProperties) -> KernelConfig:
     """One-warp programs of one tile each at MANY_SPLITS or more splits (a long request of few KV
     heads) take SCHEDULERS_PER_SM warps and one TWO_TILE_ELEMENTS tile a program where each one
     warp waits on more than its loads: an fp8 tile's conversion, which one warp works through
     alone, or the page IDs of a tile that gathers several pages, a dependent step that four warps
     take once for a larger tile. Fewer, larger splits also write fewer partials, which the merge
     pass reads back split by split for each query row. A 16-bit tile inside a page or of fewer
-    than MANY_SPLITS_MIN_BLOCK_N tokens keeps one warp (four measured no faster there); not on
-    one-token pages nor D > TWO_TILE_MAX_HEAD_DIM, as ``_two_tile_programs``."""
+    than MANY_SPLITS_MIN_BLOCK_N tokens keeps one warp (four measured no faster there), unless its
+    splits are more than one merge pass reads (``_merge_passes``); not on one-token pages nor
+    D > TWO_TILE_MAX_HEAD_DIM, as ``_two_tile_programs``."""
     if (config.num_warps != 1 or config.num_kv_splits < MANY_SPLITS
             or shape.block_d > TWO_TILE_MAX_HEAD_DIM or shape.page_size == 1):
         return config
     gathers = shape.page_size % config.block_n != 0 and config.block_n >= MANY_SPLITS_MIN_BLOCK_N
-    if shape.kv_dtype.itemsize > 1 and not gathers:
+    if shape.kv_dtype.itemsize > 1 and not gathers and _merge_passes(config, shape, device) == 1:
         return config
     block_n = TWO_TILE_ELEMENTS // shape.block_d
     if shape.max_visible_tiles(config.block_n) > config.num_kv_splits or block_n <= config.block_n:
         return config
     return _one_tile_a_program(config, shape, block_n)
+
+
+def _merge_passes(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> int:
+    """The passes each merge program takes over ``config``'s splits: it holds at most
+    ``space.merge_splits_per_pass`` splits' partials in registers, and each further pass is another
+    dependent round trip over them, on the few SMs that a long request's few query rows occupy."""
+    rows = shape.batch_size * shape.max_seq_len_q * shape.num_qo_heads
+    return -(-config.num_kv_splits // merge_splits_per_pass(rows, shape.block_d, device.sm_count))
 
 
 def _one_tile_stages(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
@@ -322,6 +374,38 @@ def _direct_fp8_loads(config: KernelConfig, shape: ProblemShape) -> KernelConfig
     if elements > REGISTER_BOUND_TILE_ELEMENTS and chain > DIRECT_MAX_CHAIN_TILES:
         return config
     return dataclasses.replace(config, num_stages=1)
+
+
+def _lone_tile_stages(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """Four-warp programs of one tile inside a page, no more than the SMs (an SM's only program),
+    take ONE_TILE_STAGES_INSIDE_PAGES stages, as a one-warp program of one such tile does
+    (``_one_tile_stages``): the staged tile's K and V loads are issued together before its first
+    product, and no other program on the SM covers the wait a load straight to registers leaves."""
+    if config.num_warps != SCHEDULERS_PER_SM or config.num_stages != 1 or shape.page_size == 1:
+        return config
+    one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
+    inside = shape.page_size % config.block_n == 0
+    if not one_tile or not inside or shape.programs(config.block_m) * config.num_kv_splits > device.sm_count:
+        return config
+    return dataclasses.replace(config, num_stages=ONE_TILE_STAGES_INSIDE_PAGES)
+
+
+def _few_staged_eight_warp_tiles(config: KernelConfig, shape: ProblemShape,
+                                 device: DeviceProperties) -> KernelConfig:
+    """Eight-warp programs of one 16-bit tile each (``_spread_warps``' whole-request tile, loaded
+    straight to registers) that cover at most STAGED_EIGHT_WARP_MAX_SHARE of the SMs take
+    ONE_TILE_STAGES_INSIDE_PAGES stages: with so few programs each busy SM's own loads, not DRAM,
+    set the time, and the staged tile's asynchronous copies stream its K and V faster than the
+    warps' register loads. An fp8 tile keeps its direct loads (``_direct_fp8_loads``); one-token
+    pages keep their stages, as in ``_one_tile_stages``."""
+    if (config.num_warps != 2 * SCHEDULERS_PER_SM or config.num_stages != 1
+            or shape.kv_dtype.itemsize == 1 or shape.page_size == 1):
+        return config
+    one_tile = shape.max_visible_tiles(config.block_n) <= config.num_kv_splits
+    programs = shape.programs(config.block_m) * config.num_kv_splits
+    if not one_tile or programs > STAGED_EIGHT_WARP_MAX_SHARE * device.sm_count:
+        return config
+    return dataclasses.replace(config, num_stages=ONE_TILE_STAGES_INSIDE_PAGES)
 
 
 __all__ = ["fit_programs_to_sms"]

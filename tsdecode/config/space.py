@@ -169,6 +169,16 @@ def merge_block_d(merge_rows: int, block_d: int, sm_count: int) -> int:
     return columns
 
 
+# A merge program holds one [splits, columns] fp32 tile of partials in registers, at most this
+# many elements (64 registers a thread at 4 warps): more splits take it further dependent passes.
+MERGE_BLOCK_ELEMENTS = 8192
+
+
+def merge_splits_per_pass(merge_rows: int, block_d: int, sm_count: int) -> int:
+    """The most splits one merge program reads in one pass: MERGE_BLOCK_ELEMENTS over its columns."""
+    return max(MERGE_BLOCK_ELEMENTS // merge_block_d(merge_rows, block_d, sm_count), 1)
+
+
 def fit_config(config: KernelConfig, shape: ProblemShape) -> tuple[KernelConfig, tuple[str, ...]]:
     """Return the config that runs for ``shape``: ``clamp_config``'s, with num_kv_splits no more
     than the longest request's chains of tiles fill (a request's visible tiles are split

@@ -1,11 +1,15 @@
 """Step 3 of the config model (``heuristic``): the split count (``num_kv_splits``), from one
 wave rule, in named steps:
 
+- Short-family programs take one tile a split, or one split where a tile holds the request or
+  ``_short_one_load`` times one split as one load of a four-warp fp8 whole-request tile.
 - ``_one_wave_of_target``: split each request until its programs reach the target in one wave
   (page-crossing fp8 ones the issue target), no further than their partial outputs are worth
   for one-warp tiles inside pages (``partials.partials_bound``), with no more fp8 one-warp
   programs on an SM's busiest scheduler than the issue target needs (``_within_schedulers``);
   never into a second wave, unless the count that fits one leaves it barely used.
+- ``_deeper_one_split_reaches_target``: one split where step 4's deeper pipeline for one-split
+  programs (``programs.one_split_depth``) keeps the target's bytes in flight without the splits.
 - ``_long_request_splits``: requests whose one-split programs already reach a share of the
   target (``long_split_limits``: half; a quarter for ragged lengths, whose short requests idle
   SMs at a wave's end; an eighth for one-warp fp8 programs, which run out of issue first) split
@@ -33,7 +37,8 @@ import math
 from ..device import DeviceProperties
 from .family import IN_FLIGHT_BYTES_PER_SM, Occupancy
 from .partials import merge_cost, merge_read_bytes, partials_bound
-from .programs import SCHEDULERS_PER_SM, TWO_TILE_MIN_ROWS, one_split_whole_tile, smaller_tile_fits_one_wave
+from .programs import (SCHEDULERS_PER_SM, TWO_TILE_MIN_ROWS, one_split_depth, one_split_whole_tile,
+                       short_whole_tile, smaller_tile_fits_one_wave)
 from .space import MAX_NUM_KV_SPLITS, RAGGED_SPREAD, KernelConfig, ProblemShape
 
 # Long requests: about FULL_WAVES waves of splits of at least MIN_TOKENS_PER_LONG_SPLIT tokens
@@ -97,8 +102,10 @@ def _wave_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) 
     sms = device.sm_count
     tiles = shape.max_visible_tiles(occ.config.block_n)
     if occ.family == "short":  # one tile a split, or one split when a tile holds it all
-        return 1 if tiles == 1 else tiles
+        return 1 if tiles == 1 or _short_one_load(shape, occ, tiles, sms) else tiles
     splits = _one_wave_of_target(shape, occ, tiles, sms)
+    if splits > 1 and _deeper_one_split_reaches_target(shape, occ, splits, device):
+        splits = 1
     splits, balanced = _long_request_splits(shape, occ, splits, sms)
     if (splits == 1 and occ.base_programs > occ.resident_one_split * sms
             and not _one_wave_at_smaller_tile(shape, occ, device)):
@@ -111,6 +118,14 @@ def _wave_splits(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) 
     return splits
 
 
+def _short_one_load(shape: ProblemShape, occ: Occupancy, tiles: int, sms: int) -> bool:
+    """Whether one split of short-family programs, which step 4 runs as one whole-request tile a
+    program where four warps hold it in registers (``programs.short_whole_tile``), takes less time
+    as that one load (``_one_load_time``) than one tile a split with its merge pass (``_time``)."""
+    return (short_whole_tile(shape) is not None
+            and _one_load_time(shape, occ, sms) < _time(shape, occ, tiles, sms))
+
+
 def _one_wave_at_smaller_tile(shape: ProblemShape, occ: Occupancy, device: DeviceProperties) -> bool:
     """Whether one-split lean programs of a 16-bit cache that spill past one wave fit it with step
     4's smaller tile (``programs.smaller_tile_fits_one_wave``): the one wave rule then holds at one
@@ -119,6 +134,25 @@ def _one_wave_at_smaller_tile(shape: ProblemShape, occ: Occupancy, device: Devic
     long rule's FP8_LONG_TARGET_DIVISOR)."""
     return (occ.family == "lean" and shape.kv_dtype.itemsize > 1
             and smaller_tile_fits_one_wave(occ.config, shape, device))
+
+
+def _deeper_one_split_reaches_target(shape: ProblemShape, occ: Occupancy, splits: int,
+                                     device: DeviceProperties) -> bool:
+    """Whether one split's lean programs, at the deeper pipeline step 4 gives them
+    (``programs.one_split_depth``), reach the target that depth's tiles in flight ask, put a warp
+    on each of an SM's SCHEDULERS_PER_SM schedulers (fewer one-warp programs leave schedulers idle
+    that the split's programs would fill) and leave their busiest SM no more tiles than ``splits``
+    does: they then keep as many bytes loading on every SM as the split count at the family's
+    depth, without its merge pass and partials."""
+    deeper = one_split_depth(occ.config, shape, device)
+    if occ.family != "lean" or deeper.num_stages <= occ.config.num_stages:
+        return False
+    tile_bytes = 2 * deeper.block_n * shape.block_d * shape.kv_dtype.itemsize
+    wanted = IN_FLIGHT_BYTES_PER_SM / ((deeper.num_stages - 1) / 2 * tile_bytes)  # as step 2 counts it
+    sms = device.sm_count
+    return (math.floor(wanted * sms / occ.base_programs + 0.5) <= 1
+            and occ.base_programs >= SCHEDULERS_PER_SM * sms
+            and _busiest_tiles(occ, shape, 1, sms) <= _busiest_tiles(occ, shape, splits, sms))
 
 
 def _one_wave_of_target(shape: ProblemShape, occ: Occupancy, tiles: int, sms: int) -> int:
@@ -156,16 +190,39 @@ def _long_request_splits(shape: ProblemShape, occ: Occupancy, splits: int, sms: 
     long_splits = min(math.ceil(FULL_WAVES * occ.resident * sms / base), int(mean_tokens // min_tokens))
     while long_splits > 1 and _last_wave(base * long_splits / (occ.resident * sms)) < WAVE_SATURATION:
         long_splits -= 1  # a last wave that few programs use costs a whole wave
-    balanced = long_splits > splits
+    # Unsplit lean programs of equal lengths: where the long count leaves the busiest SM no fewer
+    # tiles than one split does, it balances nothing, and the clock (``_time``) weighs it against
+    # one split as any count (``_least_time_count``; ``_wide_count`` weighs wide tiles' waves itself).
+    balanced = long_splits > splits and not (
+        splits == 1 and occ.family == "lean" and shape.kv_len_spread < RAGGED_SPREAD
+        and _busiest_tiles(occ, shape, long_splits, sms) >= _busiest_tiles(occ, shape, 1, sms))
     splits = max(splits, long_splits)
-    if (balanced and occ.family == "lean" and math.ceil(base / sms) >= occ.target
-            and shape.kv_len_spread < RAGGED_SPREAD and shape.kv_dtype.itemsize > 1):
-        # One-warp programs of equal lengths of a 16-bit cache that unsplit give their busiest SM
-        # the target (its ceil of the programs an SM) end together, and DRAM, not an SM, bounds
-        # their waves: the balance buys nothing unless the count takes less time than one split.
+    if (balanced and occ.family == "lean" and shape.kv_dtype.itemsize > 1
+            and _unsplit_reaches_target(shape, occ, sms)):
+        # One-warp programs of a 16-bit cache that unsplit already reach the target
+        # (``_unsplit_reaches_target``): DRAM, not an SM, bounds their waves, so the balance buys
+        # nothing unless the count takes less time than one split.
         if _time(shape, occ, 1, sms) <= _time(shape, occ, splits, sms):
             return 1, False
     return splits, balanced
+
+
+def _unsplit_reaches_target(shape: ProblemShape, occ: Occupancy, sms: int) -> bool:
+    """Whether one split's programs already reach the target: of equal lengths (which end together)
+    on the busiest SM, its ceil of the programs an SM; of ragged lengths on every SM (programs >=
+    target x SMs) where a program holds at least TWO_TILE_MIN_ROWS query rows (as step 4's two-tile
+    rule, from which a warp waits on its rows' work rather than its loads): the long count's partial
+    outputs and merge rows (rows x D x 4 bytes a split) grow with the rows, while what its balance
+    saves, the idle tail of a wave whose short requests end first, does not."""
+    if shape.kv_len_spread < RAGGED_SPREAD:
+        return math.ceil(occ.base_programs / sms) >= occ.target
+    return shape.rows_per_kv_head >= TWO_TILE_MIN_ROWS and occ.base_programs >= occ.target * sms
+
+
+def _busiest_tiles(occ: Occupancy, shape: ProblemShape, splits: int, sms: int) -> int:
+    """The tiles the busiest SM walks at ``splits`` splits of equal-length requests: its programs
+    (the ceil of the programs an SM) times each one's chain."""
+    return -(-occ.base_programs * splits // sms) * -(-shape.max_visible_tiles(occ.config.block_n) // splits)
 
 
 def _wide_count(shape: ProblemShape, occ: Occupancy, splits: int, balanced: bool, tiles: int, sms: int) -> int:

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from ..config.space import KernelConfig, ProblemShape, merge_block_d
+from ..config.space import KernelConfig, ProblemShape, merge_block_d, merge_splits_per_pass
 from ..device import INTERPRETER, device_properties, interpreted_launch
 from .decode import LOG2E, _merge_kernel, _split_kv_kernel
 
@@ -149,10 +149,11 @@ class DecodeLaunch:
         self._merge_grid, self._merge_constexprs, self._merge_options = None, {}, {}
         if splits > 1:
             sms = device_properties(device).sm_count
-            merge_columns = merge_block_d(query_capacity * shape.num_qo_heads, block_d, sms)  # head-dim slice
+            merge_rows = query_capacity * shape.num_qo_heads
+            merge_columns = merge_block_d(merge_rows, block_d, sms)  # head-dim slice
             # One [BLOCK_S, BLOCK_D] fp32 tile of partials per program: all splits at once up to
-            # 8192 elements (64 registers a thread at 4 warps), one warp per 2048 elements.
-            merge_block_s = min(triton.next_power_of_2(splits), max(8192 // merge_columns, 1))
+            # MERGE_BLOCK_ELEMENTS (64 registers a thread at 4 warps), one warp per 2048 elements.
+            merge_block_s = min(triton.next_power_of_2(splits), merge_splits_per_pass(merge_rows, block_d, sms))
             self._merge_grid = (query_capacity, shape.num_qo_heads, block_d // merge_columns)
             self._merge_constexprs = dict(HEAD_DIM=shape.head_dim, BLOCK_D=merge_columns,
                                           SEQ_LEN_Q=shape.max_seq_len_q, PACKED=shape.packed,
