@@ -13,7 +13,8 @@ wave rule, in named steps:
 - ``_long_request_splits``: requests whose one-split programs already reach a share of the
   target (``long_split_limits``: half; a quarter for ragged lengths, whose short requests idle
   SMs at a wave's end; an eighth for one-warp fp8 programs, which run out of issue first) split
-  further, into about FULL_WAVES waves, which balance the SMs.
+  further, into about FULL_WAVES waves, which balance the SMs; a barely used last wave goes, and
+  for ragged one-warp fp8 programs only it (``_keeps_full_waves``).
 - ``_fullest_waves``: one-split programs past a wave, and counts that would leave a wave barely
   used, take the count whose waves cost least (a last wave costs at least WAVE_SATURATION of a
   full one); not 16-bit one-split lean programs that step 4's smaller tile holds in one wave
@@ -180,7 +181,8 @@ def _one_wave_of_target(shape: ProblemShape, occ: Occupancy, tiles: int, sms: in
 def _long_request_splits(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> tuple[int, bool]:
     """Requests whose one-split programs already reach a share of the target (``long_split_limits``)
     split further, into about FULL_WAVES waves of at least the limit's tokens, which balance the
-    SMs; no count leaves a last wave under WAVE_SATURATION full. Returns the count and whether the
+    SMs; no count leaves a last wave under WAVE_SATURATION full (ragged fp8 one-warp programs that
+    fit one wave unsplit drop only that last wave, ``_keeps_full_waves``). Returns the count and whether the
     balance set it (``_time`` does not count the balance, so later steps leave such a count)."""
     base = occ.base_programs
     divisor, min_tokens = long_split_limits(shape, occ.config)
@@ -188,7 +190,12 @@ def _long_request_splits(shape: ProblemShape, occ: Occupancy, splits: int, sms: 
         return splits, False
     mean_tokens = shape.max_visible_tiles(1) / max(1.0, shape.kv_len_spread)
     long_splits = min(math.ceil(FULL_WAVES * occ.resident * sms / base), int(mean_tokens // min_tokens))
-    while long_splits > 1 and _last_wave(base * long_splits / (occ.resident * sms)) < WAVE_SATURATION:
+    def waves(count: int) -> float:
+        return base * count / (occ.resident * sms)
+    started = math.ceil(waves(long_splits))
+    while long_splits > 1 and _last_wave(waves(long_splits)) < WAVE_SATURATION:
+        if _keeps_full_waves(shape, occ, sms) and math.ceil(waves(long_splits - 1)) < started - 1:
+            break  # the partly used last wave is gone: the full waves before it balance the SMs
         long_splits -= 1  # a last wave that few programs use costs a whole wave
     # Unsplit lean programs of equal lengths: where the long count leaves the busiest SM no fewer
     # tiles than one split does, it balances nothing, and the clock (``_time``) weighs it against
@@ -205,6 +212,16 @@ def _long_request_splits(shape: ProblemShape, occ: Occupancy, splits: int, sms: 
         if _time(shape, occ, 1, sms) <= _time(shape, occ, splits, sms):
             return 1, False
     return splits, balanced
+
+
+def _keeps_full_waves(shape: ProblemShape, occ: Occupancy, sms: int) -> bool:
+    """Whether the long count, cutting a barely used last wave, keeps the full waves before it:
+    ragged one-warp programs of an fp8 cache, whose balance pays from an eighth of the target
+    (``fp8_long_balance``) and whose waves overlap (programs end apart), so a count one wave short
+    only lengthens every request's chain and the longest one's tail; where one split's programs
+    fit one wave (past it, one split runs in waves already, which ``_fullest_waves`` weighs)."""
+    return (shape.kv_len_spread >= RAGGED_SPREAD and fp8_long_balance(shape, occ.config)
+            and occ.base_programs <= occ.resident * sms)
 
 
 def _unsplit_reaches_target(shape: ProblemShape, occ: Occupancy, sms: int) -> bool:
@@ -321,9 +338,15 @@ def long_split_limits(shape: ProblemShape, config: KernelConfig) -> tuple[int, i
         divisor, min_tokens = RAGGED_LONG_TARGET_DIVISOR, RAGGED_MIN_TOKENS_PER_LONG_SPLIT
     else:
         divisor, min_tokens = LONG_TARGET_DIVISOR, MIN_TOKENS_PER_LONG_SPLIT
-    if shape.kv_dtype.itemsize == 1 and config.num_warps == 1 and shape.page_size > 1:
+    if fp8_long_balance(shape, config):
         divisor = max(divisor, FP8_LONG_TARGET_DIVISOR)
     return divisor, min_tokens
+
+
+def fp8_long_balance(shape: ProblemShape, config: KernelConfig) -> bool:
+    """Whether ``config``'s programs are one-warp programs of an fp8 cache on pages longer than a
+    token, whose long split pays from 1 / FP8_LONG_TARGET_DIVISOR of the target."""
+    return shape.kv_dtype.itemsize == 1 and config.num_warps == 1 and shape.page_size > 1
 
 
 def _time(shape: ProblemShape, occ: Occupancy, splits: int, sms: int) -> float:
