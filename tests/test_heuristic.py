@@ -200,8 +200,9 @@ def _one_split_waves(config: KernelConfig, shape: ProblemShape, device: DevicePr
 
 @pytest.mark.parametrize("device", GPUS, ids=lambda d: d.name)
 def test_tile_families(device):
-    """Lean (1 warp, 4 where the programs are no more than the SMs) for D <= 128 and <= 32 rows a
-    KV head, and for D > 128 with <= 16 rows and pages that 16-token tiles stay inside; wide (4
+    """Lean (1 warp, 4 where the programs are no more than the SMs, 2 for one-split fp8 programs of
+    at most two an SM) for D <= 128 and <= 32 rows a KV head, and for D > 128 with <= 16 rows and
+    pages that 16-token tiles stay inside; wide (4
     warps, ~16 KiB tiles) otherwise; short (one tile a split) only for problems of at most 512
     visible tokens: 32-token four-warp tiles, or a whole request's 128-token tile where a lean
     program's rows hold a KV head's (any pages) and its K is at most 32 KiB, four warps for each
@@ -282,7 +283,10 @@ def test_tile_families(device):
             assert shape.block_d <= 128 and shape.page_size > 1, shape
             assert config.num_kv_splits == min(shape.max_visible_tiles(config.block_n), MAX_NUM_KV_SPLITS), shape
         elif family == "lean":
-            assert config.num_warps == (4 if spread else 1), shape
+            # one-split fp8 programs more than the SMs, at most two an SM: two warps, one a scheduler
+            paired = (shape.kv_dtype.itemsize == 1 and config.num_kv_splits == 1 and not spread
+                      and programs <= PR.PAIRED_WARPS_PER_SM * device.sm_count)
+            assert config.num_warps == (4 if spread else 2 if paired else 1), shape
             if spread and not one_tile:  # no tile held in registers makes it one tile a program
                 assert all(shape.max_visible_tiles(n) > config.num_kv_splits for n in BLOCK_N_CHOICES
                            if n * shape.block_d <= PR.REGISTER_BOUND_TILE_ELEMENTS), shape
@@ -294,7 +298,7 @@ def test_tile_families(device):
             elif one_tile and shape.page_size > 1:
                 few = 1 if shape.page_size % config.block_n else 2
             assert config.num_stages == few if few else config.num_stages in (3, 5), shape
-            if config.num_warps == 1 and config.num_kv_splits == 1 and not one_tile:
+            if config.num_warps in (1, 2) and config.num_kv_splits == 1 and not one_tile:
                 # one-split programs of several tiles: five stages, unless five take more waves, or
                 # short requests' 16-token tiles fill more than half a wave at five and one tile in
                 # flight a program keeps the loads (the half-wave rule's fewer stages)
@@ -1232,6 +1236,24 @@ def test_one_warp_programs_of_two_tiles_take_four_warps_and_one_tile():
         assert PR._two_tile_programs(lean, other) == lean, other
     for splits in (33, 97):  # three tiles a program, one
         assert PR._two_tile_programs(dataclasses.replace(lean, num_kv_splits=splits), shape).num_warps == 1
+
+
+def test_one_split_fp8_programs_of_at_most_two_an_sm_take_two_warps():
+    """B=46, G=8, Hkv=4, D=128, fp8, pages of 2 tokens, 132 tokens: 184 one-split lean programs of
+    32-token tiles on 132 SMs (1.4 an SM), each warp busy converting its tiles, half or more of an
+    SM's schedulers idle. Two warps a program instead, the tile and stages kept. Not where the
+    programs are more than two an SM (B=67: 268), not for a 16-bit cache, not for split programs
+    (their count step 3 raised)."""
+    shape = make_shape(46, 132, num_qo_heads=32, num_kv_heads=4, page_size=2, kv_dtype=FP8)
+    occ = occupancy(shape, H200)
+    assert (occ.family, occ.base_programs, num_kv_splits(shape, occ, H200)) == ("lean", 184, 1)
+    assert heuristic_config(shape, H200) == KernelConfig(block_n=32, block_m=16, num_kv_splits=1, num_warps=2,
+                                                         num_stages=5)
+    assert heuristic_config(dataclasses.replace(shape, batch_size=67), H200).num_warps == 1
+    assert heuristic_config(dataclasses.replace(shape, kv_dtype=torch.bfloat16), H200).num_warps == 1
+    lean = KernelConfig(block_n=32, block_m=16, num_kv_splits=1, num_warps=1, num_stages=5)
+    assert PR._paired_fp8_warps(lean, shape, H200).num_warps == 2
+    assert PR._paired_fp8_warps(dataclasses.replace(lean, num_kv_splits=2), shape, H200).num_warps == 1
 
 
 def test_programs_short_of_warps_take_four_warps_and_one_tile_each():

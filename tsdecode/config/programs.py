@@ -12,6 +12,8 @@ once their split count is known, against the SMs that run them.
 - One-warp programs left two tiles each take four warps and one larger tile (``_two_tile_programs``).
 - One-warp programs no more than the SMs take four warps, and one tile a program where a tile
   held in registers makes it one, or where they leave many SMs idle (``_spread_warps``).
+- One-split one-warp fp8 programs more than the SMs but at most two an SM take two warps, a warp
+  on each scheduler (``_paired_fp8_warps``).
 - One-warp programs of many query rows that leave each warp scheduler one warp or none take four
   warps and one larger tile a program: fp8 caches, and 16-bit ones at D = 128 whose programs run
   one tile already (``_programs_short_of_warps``); so do one-warp programs of one page-gathering
@@ -76,6 +78,9 @@ DIRECT_MAX_CHAIN_TILES = 3
 # much.
 SHORT_OF_WARPS_MIN_ROWS = 10
 FP8_FOUR_WARP_MAX_TILE_ELEMENTS = 2 * REGISTER_BOUND_TILE_ELEMENTS
+# One-split one-warp fp8 programs of at most this many an SM (more than one: one takes four warps)
+# take two warps, so that each SM's programs put a warp on each of its schedulers.
+PAIRED_WARPS_PER_SM = 2
 # 16-bit caches: only one-warp programs of one tile each, at this head dim, take four warps and one
 # TWO_TILE_ELEMENTS tile a program (at D = 64, and for longer chains, four warps measured slower).
 SIXTEEN_BIT_ONE_TILE_HEAD_DIM = 128
@@ -109,7 +114,8 @@ def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
         config = _short_whole_tile(config, shape)
     config = _spread_warps(_two_tile_programs(config, shape), shape, device)
     config = _many_one_tile_splits(_programs_short_of_warps(config, shape, device), shape, device)
-    config = _lone_tile_stages(_direct_fp8_loads(_one_tile_stages(config, shape), shape), shape, device)
+    config = _paired_fp8_warps(_one_tile_stages(config, shape), shape, device)
+    config = _lone_tile_stages(_direct_fp8_loads(config, shape), shape, device)
     return _few_staged_eight_warp_tiles(config, shape, device)
 
 
@@ -271,6 +277,21 @@ def _spread_warps(config: KernelConfig, shape: ProblemShape, device: DevicePrope
     if elements > REGISTER_BOUND_TILE_ELEMENTS:
         return dataclasses.replace(config, num_warps=2 * SCHEDULERS_PER_SM, num_stages=1)
     return dataclasses.replace(config, num_stages=2)
+
+
+def _paired_fp8_warps(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
+    """One-split one-warp programs of an fp8 cache, more than the SMs (fewer take four warps,
+    ``_spread_warps``) but at most PAIRED_WARPS_PER_SM an SM, take SCHEDULERS_PER_SM //
+    PAIRED_WARPS_PER_SM warps: each warp is busy issuing its tiles' conversion (as
+    family.FP8_MIN_WARPS_PER_SM), and an SM's one or two one-warp programs leave at least half its
+    warp schedulers idle, where two warps a program put a warp on each. Only at one split: a split
+    program's count is raised to the target by its splits, but a one-split program's count is the
+    problem's own, so its warps are the lever left (as the pipeline's depth in ``_one_split_depth``)."""
+    programs = shape.programs(config.block_m) * config.num_kv_splits
+    if (config.num_warps != 1 or config.num_kv_splits != 1 or shape.kv_dtype.itemsize != 1
+            or not device.sm_count < programs <= PAIRED_WARPS_PER_SM * device.sm_count):
+        return config
+    return dataclasses.replace(config, num_warps=SCHEDULERS_PER_SM // PAIRED_WARPS_PER_SM)
 
 
 def _programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
