@@ -1623,18 +1623,40 @@ def test_ragged_programs_of_many_rows_that_put_the_target_on_every_sm_weigh_one_
     """B=136 x Hkv=8 = 1088 one-warp programs of 10 query rows (G=10, D=64, a 16-bit cache, ragged
     lengths, longest / mean 1.3) put the target of 8 on every SM unsplit (1088 >= 8 x 132): the
     ragged long rule's count is weighed against one split by the clock, which takes one split (its
-    long count's partials and merge rows grow with the rows). Fewer programs than the target's on
-    every SM (B=128: 1024), and programs of fewer than TWO_TILE_MIN_ROWS rows (G=4, whose
-    target is 16: B=272, 2176 programs), keep the long count though the clock gives one split less."""
+    long count's partials and merge rows grow with the rows). So do programs that leave some SMs
+    one short of the target, where those keep WAVE_SATURATION of it (B=128: 1024, 7 on the least
+    busy SM; B=116: 928; the H100 random suite's seed 311 B=130, G=11, D=64, 2576 tokens, 1040
+    programs: one split 185 us, the long count's seven 211 us). Programs of SMs two short (B=112:
+    896, 6 on the least busy SM), of an SM one short of a target of 2 (B=126, G=10, Hkv=2, D=128:
+    252 programs, 1 on the least busy SM, under 60% of 2) and programs of fewer than
+    TWO_TILE_MIN_ROWS rows (G=4, whose target is 16: B=272, 2176 programs) keep the long count
+    though the clock gives one split less."""
     shape = make_shape(136, 2048, num_qo_heads=80, head_dim=64, kv_len_spread=1.3)
     occ = occupancy(shape, H200)
     assert (occ.config.num_warps, occ.base_programs, occ.target) == (1, 1088, 8)
     assert occ.base_programs >= occ.target * 132 and shape.rows_per_kv_head >= PR.TWO_TILE_MIN_ROWS
     assert S._time(shape, occ, 1, 132) < S._time(shape, occ, 4, 132)
     assert heuristic_config(shape, H200).num_kv_splits == 1
-    fewer = make_shape(128, 2048, num_qo_heads=80, head_dim=64, kv_len_spread=1.3)
-    assert occupancy(fewer, H200).base_programs < 8 * 132
+    for batch_size in (128, 116):
+        one_short = make_shape(batch_size, 2048, num_qo_heads=80, head_dim=64, kv_len_spread=1.3)
+        occ = occupancy(one_short, H200)
+        assert occ.base_programs < 8 * 132 and occ.base_programs // 132 == occ.target - 1
+        assert heuristic_config(one_short, H200).num_kv_splits == 1
+    seed311 = make_shape(130, 2576, num_qo_heads=88, head_dim=64, kv_len_spread=1.3)
+    assert occupancy(seed311, H200).base_programs == 1040
+    assert heuristic_config(seed311, H200).num_kv_splits == 1
+    fewer = make_shape(112, 2048, num_qo_heads=80, head_dim=64, kv_len_spread=1.3)
+    occ = occupancy(fewer, H200)
+    assert occ.base_programs // 132 == occ.target - 2
+    assert S._time(fewer, occ, 1, 132) < S._time(fewer, occ, 4, 132)
     assert heuristic_config(fewer, H200).num_kv_splits > 1
+    target_two = make_shape(126, 998, num_qo_heads=20, num_kv_heads=2, head_dim=128, page_size=64,
+                            kv_len_spread=1.3)
+    occ = occupancy(target_two, H200)
+    assert (occ.config.num_warps, occ.base_programs, occ.target) == (1, 252, 2)
+    assert occ.base_programs // 132 == occ.target - 1 < S.WAVE_SATURATION * occ.target
+    assert S._time(target_two, occ, 1, 132) < S._time(target_two, occ, 2, 132)
+    assert heuristic_config(target_two, H200).num_kv_splits > 1
     rows = make_shape(272, 2048, num_qo_heads=32, head_dim=64, kv_len_spread=1.3)
     occ = occupancy(rows, H200)
     assert occ.base_programs >= occ.target * 132 and rows.rows_per_kv_head < PR.TWO_TILE_MIN_ROWS

@@ -226,14 +226,18 @@ def _keeps_full_waves(shape: ProblemShape, occ: Occupancy, sms: int) -> bool:
 
 def _unsplit_reaches_target(shape: ProblemShape, occ: Occupancy, sms: int) -> bool:
     """Whether one split's programs already reach the target: of equal lengths (which end together)
-    on the busiest SM, its ceil of the programs an SM; of ragged lengths on every SM (programs >=
-    target x SMs) where a program holds at least TWO_TILE_MIN_ROWS query rows (as step 4's two-tile
-    rule, from which a warp waits on its rows' work rather than its loads): the long count's partial
-    outputs and merge rows (rows x D x 4 bytes a split) grow with the rows, while what its balance
-    saves, the idle tail of a wave whose short requests end first, does not."""
+    on the busiest SM, its ceil of the programs an SM; of ragged lengths on every SM, or one
+    program short of it where the least busy SM's programs still keep WAVE_SATURATION of the
+    target's loads (DRAM, which all SMs share, then misses little of the target's bytes in flight),
+    where a program holds at least TWO_TILE_MIN_ROWS query rows (as step 4's two-tile rule, from
+    which a warp waits on its rows' work rather than its loads): the long count's partial outputs
+    and merge rows (rows x D x 4 bytes a split) grow with the rows, while what its balance saves,
+    the idle tail of a wave whose short requests end first, does not."""
     if shape.kv_len_spread < RAGGED_SPREAD:
         return math.ceil(occ.base_programs / sms) >= occ.target
-    return shape.rows_per_kv_head >= TWO_TILE_MIN_ROWS and occ.base_programs >= occ.target * sms
+    least_busy = occ.base_programs // sms
+    return (shape.rows_per_kv_head >= TWO_TILE_MIN_ROWS and least_busy >= occ.target - 1
+            and least_busy >= WAVE_SATURATION * occ.target)
 
 
 def _busiest_tiles(occ: Occupancy, shape: ProblemShape, splits: int, sms: int) -> int:
