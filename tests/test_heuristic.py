@@ -278,6 +278,9 @@ def test_tile_families(device):
             else:
                 assert shape.kv_dtype.itemsize == 1, shape
                 assert PR.TWO_TILE_ELEMENTS < elements <= PR.FP8_FOUR_WARP_MAX_TILE_ELEMENTS, shape
+                # register-held tiles without a pipeline: equal lengths' programs fit one wave
+                fits = resident_programs_per_sm(config, shape, device) * device.sm_count
+                assert shape.kv_len_spread >= S.RAGGED_SPREAD or programs * config.num_kv_splits <= fits, shape
             if shape.kv_dtype.itemsize == 1 and shape.rows_per_kv_head >= PR.SHORT_OF_WARPS_MIN_ROWS:
                 assert programs * config.num_kv_splits >= device.sm_count or elements == PR.TWO_TILE_ELEMENTS, shape
             assert shape.block_d <= 128 and shape.page_size > 1, shape
@@ -1280,6 +1283,25 @@ def test_programs_short_of_warps_take_four_warps_and_one_tile_each():
         assert heuristic_config(dataclasses.replace(shape, **other), H200).num_warps == 1, other
     lean = KernelConfig(block_n=16, block_m=16, num_kv_splits=4, num_warps=1, num_stages=5)
     assert PR._programs_short_of_warps(lean, shape, H200) == lean  # 5 tiles of 256 > 4 splits
+
+
+def test_fp8_programs_short_of_warps_keep_one_warp_where_their_tiles_take_two_waves():
+    """B=48, G=12, Hkv=2, D=128, fp8, pages of 2 tokens, 590 tokens: 96 lean programs of 32-token
+    tiles at 5 splits (480 one-warp programs, 3.6 an SM). Four warps and one 256-token tile a
+    program would be 3 splits, 288 programs, past the 264 (two an SM) that hold such a tile at
+    once: a register-held tile has no pipeline, so the programs keep one warp. At B=44 the same
+    tile's 264 programs fit one wave and take it, as do ragged requests (longest / mean 1.4), whose
+    programs end apart."""
+    shape = make_shape(48, 590, num_qo_heads=24, num_kv_heads=2, page_size=2, kv_dtype=FP8)
+    lean = KernelConfig(block_n=32, block_m=16, num_kv_splits=5, num_warps=1, num_stages=5)
+    one_tile = KernelConfig(block_n=256, block_m=16, num_kv_splits=3, num_warps=4, num_stages=1)
+    assert resident_programs_per_sm(one_tile, shape, H200) == 2
+    assert PR._programs_short_of_warps(lean, shape, H200) == lean
+    assert heuristic_config(shape, H200) == lean
+    fits = dataclasses.replace(shape, batch_size=44)
+    assert PR._programs_short_of_warps(lean, fits, H200) == one_tile
+    ragged = dataclasses.replace(shape, kv_len_spread=1.4)
+    assert PR._programs_short_of_warps(lean, ragged, H200) == one_tile
 
 
 def test_sixteen_bit_one_tile_programs_short_of_warps_take_four_warps():

@@ -303,7 +303,10 @@ def _programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
     to registers; the fewer splits write fewer partial outputs, which many rows make large.
     - fp8 caches: the largest tile of at most FP8_FOUR_WARP_MAX_TILE_ELEMENTS whose programs still
       cover the SMs (halving down to TWO_TILE_ELEMENTS), where that takes no more splits than the
-      one-warp programs had.
+      one-warp programs had and, for requests of equal lengths, its programs fit one wave: a
+      register-held tile has no pipeline, so a program past those an SM holds waits for an earlier
+      one's whole load and products (ragged requests' programs end apart, and later ones fill
+      the gaps).
     - 16-bit caches, which cost a warp no conversion: only programs of one tile already, at
       D = SIXTEEN_BIT_ONE_TILE_HEAD_DIM, take one TWO_TILE_ELEMENTS tile each.
     Not on one-token pages nor D > TWO_TILE_MAX_HEAD_DIM, as ``_two_tile_programs``."""
@@ -328,7 +331,11 @@ def _programs_short_of_warps(config: KernelConfig, shape: ProblemShape,
     block_n = elements // shape.block_d
     if shape.max_visible_tiles(block_n) > config.num_kv_splits:  # long chains: not one tile a program
         return config
-    return _one_tile_a_program(config, shape, block_n)
+    one_tile = _one_tile_a_program(config, shape, block_n)
+    wave = resident_programs_per_sm(one_tile, shape, device) * device.sm_count
+    if shape.kv_len_spread < RAGGED_SPREAD and programs(elements) > wave:
+        return config
+    return one_tile
 
 
 def _many_one_tile_splits(config: KernelConfig, shape: ProblemShape,
