@@ -15,9 +15,10 @@ once their split count is known, against the SMs that run them.
 - One-split one-warp fp8 programs more than the SMs but at most two an SM take two warps, a warp
   on each scheduler (``_paired_fp8_warps``).
 - One-warp programs of many query rows that leave each warp scheduler one warp or none take four
-  warps and one larger tile a program: fp8 caches, and 16-bit ones at D = 128 whose programs run
-  one tile already (``_programs_short_of_warps``); so do one-warp programs of one page-gathering
-  tile each at MANY_SPLITS or more splits, or of more splits than one merge pass reads
+  warps and one larger tile a program: fp8 caches (for equal lengths, where those programs fit
+  one wave), and 16-bit ones at D = 128 whose programs run one tile already
+  (``_programs_short_of_warps``); so do one-warp programs of one page-gathering tile each at
+  MANY_SPLITS or more splits, or of more splits than one merge pass reads
   (``_many_one_tile_splits``).
 - A one-warp program of one tile takes the fewest stages (``_one_tile_stages``).
 - Four-warp fp8 programs of large tiles, or of one tile that gathers several pages, load them
