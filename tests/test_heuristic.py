@@ -192,6 +192,17 @@ def _merge_splits_per_pass(shape: ProblemShape, device: DeviceProperties) -> int
     return merge_splits_per_pass(rows, shape.block_d, device.sm_count)
 
 
+def _direct_keeps_programs(config: KernelConfig, shape, device) -> bool:
+    """Whether ``config``'s programs loaded straight to registers (one stage) take no more waves of
+    the SMs than staged (two stages), at its own split count."""
+    programs = shape.programs(config.block_m) * config.num_kv_splits
+
+    def waves(stages: int) -> int:
+        fit = resident_programs_per_sm(dataclasses.replace(config, num_stages=stages), shape, device)
+        return -(-programs // (fit * device.sm_count))
+    return waves(1) <= waves(2)
+
+
 def _one_split_waves(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> int:
     """Waves of ``shape``'s one-split programs of ``config``."""
     room = resident_programs_per_sm(config, shape, device, one_split=True) * device.sm_count
@@ -258,7 +269,8 @@ def test_tile_families(device):
             # stages inside a page (an SM's only program), else fp8 one from 8K elements or 4K gathering
             assert one_tile and elements <= PR.REGISTER_BOUND_TILE_ELEMENTS, shape
             inside = shape.page_size > 1 and not gathers
-            direct = shape.kv_dtype.itemsize == 1 and elements >= (4096 if gathers else 8192)
+            direct = (shape.kv_dtype.itemsize == 1 and elements >= (4096 if gathers else 8192)
+                      and _direct_keeps_programs(config, shape, device))
             assert config.num_stages in ((2,) if inside else (1,) if direct else (1, 2)), shape
         elif (family == "lean" and config.num_warps == 4 and config.num_stages == 1
               and config.block_n == PR.SPREAD_TILE_TOKENS and programs <= PR.FEW_PROGRAMS_SHARE * device.sm_count
@@ -297,7 +309,8 @@ def test_tile_families(device):
             # and for a four-warp fp8 one of 4K elements or more gathering pages
             few = None
             if one_tile and spread:
-                few = 1 if shape.kv_dtype.itemsize == 1 and gathers and elements >= 4096 else 2
+                few = 1 if (shape.kv_dtype.itemsize == 1 and gathers and elements >= 4096
+                            and _direct_keeps_programs(config, shape, device)) else 2
             elif one_tile and shape.page_size > 1:
                 few = 1 if shape.page_size % config.block_n else 2
             assert config.num_stages == few if few else config.num_stages in (3, 5), shape
@@ -327,7 +340,8 @@ def test_tile_families(device):
             # (not one tile inside a page of programs no more than the SMs: two stages)
             lone = chain == 1 and spread and shape.page_size > 1 and shape.page_size % config.block_n == 0
             direct = (shape.kv_dtype.itemsize == 1 and elements >= (4096 if gathers else 8192)
-                      and (elements <= PR.REGISTER_BOUND_TILE_ELEMENTS or chain <= 3) and not lone)
+                      and (elements <= PR.REGISTER_BOUND_TILE_ELEMENTS or chain <= 3) and not lone
+                      and _direct_keeps_programs(config, shape, device))
             assert (config.num_warps, config.num_stages) == (4, 1 if direct else 2), shape
             # ~16 KiB of K/V a tile, at most 64 tokens at D <= 128, or a doubled tile where the
             # programs that fit keep more bytes in flight, until they keep the target
@@ -354,7 +368,8 @@ def test_tile_families(device):
                 # an fp8 request past the 128-token tile: one tile of it that four warps hold in
                 # registers (64 x 256 elements), loaded straight to them, at one split
                 assert shape.kv_dtype.itemsize == 1 and lean_rows and tokens > F.SHORT_WHOLE_BLOCK_N, shape
-                assert elements <= F.WIDE_MAX_TILE_ELEMENTS and (config.num_warps, config.num_stages) == (4, 1), shape
+                assert elements <= F.WIDE_MAX_TILE_ELEMENTS and config.num_warps == 4, shape
+                assert config.num_stages == (1 if _direct_keeps_programs(config, shape, device) else 2), shape
                 checked["whole_fp8_four_warps"] += 1
             elif config.block_n == F.SHORT_WHOLE_BLOCK_N:
                 # a whole request's tile: a lean program's rows, at most 32 KiB of K, four warps for
@@ -363,7 +378,8 @@ def test_tile_families(device):
                 assert lean_rows and whole_fits, shape
                 assert config.num_warps == whole_warps, shape
                 lone = config.num_warps == 4 and not gathers and shape.page_size > 1 and spread
-                assert config.num_stages == (1 if shape.kv_dtype.itemsize == 1 and not lone else 2), shape
+                direct = shape.kv_dtype.itemsize == 1 and not lone and _direct_keeps_programs(config, shape, device)
+                assert config.num_stages == (1 if direct else 2), shape
                 checked["whole_fp8_d256"] += config.num_warps == 8
             else:
                 assert config.num_warps == 4, shape
@@ -1342,7 +1358,7 @@ def test_four_warp_fp8_tiles_of_8k_elements_load_straight_to_registers():
     def direct(block_n, head_dim, kv_len, splits, kv_dtype=FP8, page_size=32):
         config = KernelConfig(block_n=block_n, block_m=16, num_kv_splits=splits, num_warps=4, num_stages=2)
         shape = make_shape(4, kv_len, head_dim=head_dim, kv_dtype=kv_dtype, page_size=page_size)
-        return PR._direct_fp8_loads(config, shape).num_stages == 1
+        return PR._direct_fp8_loads(config, shape, H200).num_stages == 1
     assert direct(32, 256, 32, 1) and direct(64, 256, 4096, 8) and direct(128, 128, 128, 1)
     assert not direct(32, 128, 32, 1) and not direct(64, 256, 4096, 8, torch.bfloat16)
     assert direct(32, 128, 200, 7, page_size=16)  # one tile gathering two pages
@@ -1351,6 +1367,46 @@ def test_four_warp_fp8_tiles_of_8k_elements_load_straight_to_registers():
     assert direct(128, 256, 384, 1) and not direct(128, 256, 512, 1)  # 3 tiles a program, 4
     assert heuristic_config(make_shape(154, 349, num_qo_heads=80, head_dim=256, page_size=4, kv_dtype=FP8),
                             H200) == KernelConfig(block_n=128, block_m=16, num_kv_splits=1, num_warps=4, num_stages=1)
+
+
+def test_fp8_tiles_stay_staged_where_loading_straight_to_registers_takes_more_waves():
+    """Where the kernel that loads a tile straight to registers takes more registers than the
+    staged one, so that fewer of its programs fit an SM, and its programs then take more waves, the
+    tile stays staged: the one-split kernel of a 64 x 256 fp8 tile for one query row a KV head
+    (B=143, Hq=Hkv=8, pages of 3, 356 tokens: 184 registers a thread against the staged kernel's
+    161, two programs an SM against three; 1144 programs take five waves against three). At four
+    rows a KV head both fit three, and at B=16 the 128 programs take one wave either way: those
+    tiles load straight to registers."""
+    def pick(batch_size, num_qo_heads):
+        return heuristic_config(make_shape(batch_size, 356, num_qo_heads=num_qo_heads, num_kv_heads=8,
+                                           head_dim=256, page_size=3, kv_dtype=FP8), H200)
+    one_row = make_shape(143, 356, num_qo_heads=8, num_kv_heads=8, head_dim=256, page_size=3, kv_dtype=FP8)
+    staged = KernelConfig(block_n=64, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
+    direct = dataclasses.replace(staged, num_stages=1)
+    assert [residency.resident_programs_per_sm(c, one_row, H200) for c in (direct, staged)] == [2, 3]
+    assert PR._direct_fp8_loads(staged, one_row, H200) == staged
+    assert pick(143, 8) == staged
+    assert pick(143, 32) == direct
+    assert PR._direct_fp8_loads(staged, dataclasses.replace(one_row, batch_size=16), H200) == direct
+
+
+def test_whole_request_fp8_tiles_compare_waves_at_their_own_query_rows():
+    """A whole request's 128 x 64 fp8 tile is compared at its own query rows a KV head: at G = 2
+    (B=62, Hq=16, Hkv=8, 103 tokens on pages of 8) the one-split kernel that loads it straight to
+    registers fits four programs an SM, as the staged one does, and keeps the direct load; at G = 11
+    (B=54, Hq=88, 105 tokens on pages of 48) it fits three against four, its 432 programs take two
+    waves against one, and the tile stays staged."""
+    def pick(batch_size, kv_len, num_qo_heads, page_size):
+        return heuristic_config(make_shape(batch_size, kv_len, num_qo_heads=num_qo_heads, num_kv_heads=8,
+                                           head_dim=64, page_size=page_size, kv_dtype=FP8), H200)
+    staged = KernelConfig(block_n=128, block_m=16, num_kv_splits=1, num_warps=4, num_stages=2)
+    direct = dataclasses.replace(staged, num_stages=1)
+    for (batch_size, kv_len, num_qo_heads, page_size), fits, want in (((62, 103, 16, 8), [4, 4], direct),
+                                                                       ((54, 105, 88, 48), [3, 4], staged)):
+        shape = make_shape(batch_size, kv_len, num_qo_heads=num_qo_heads, num_kv_heads=8, head_dim=64,
+                           page_size=page_size, kv_dtype=FP8)
+        assert [resident_programs_per_sm(c, shape, H200) for c in (direct, staged)] == fits, shape
+        assert pick(batch_size, kv_len, num_qo_heads, page_size) == want, shape
 
 
 def test_an_sms_only_four_warp_program_of_one_tile_inside_a_page_takes_two_stages():
@@ -2115,11 +2171,11 @@ FRACTION_MARGIN = 0.03
 MIN_MEASURED = {"T": 171, "A": 40, "H": 9, "B": 40, "C": 40, "D": 8, "E": 10, "F": 4, "G": 4,
                 "I": 39, "J": 40, "K": 39, "L": 39, "M": 39, "N": 40, "O": 40, "P": 40, "Q": 40,
                 "R": 40, "S": 40, "U": 40, "V": 40, "W": 40, "X": 1, "Y": 8, "Z": 39, "AA": 14,
-                "AB": 9, "AC": 40, "AD": 23, "AE": 40, "AF": 6, "AG": 39, "AH": 8, "AI": 7, "AJ": 8,
-                "AK": 40, "AL": 40, "AM": 1, "AN": 40, "AO": 12, "AP": 40, "AQ": 29, "AR": 40,
-                "AS": 231, "AT": 40, "AU": 40, "AV": 80, "AW": 40, "AX": 40, "AY": 40, "AZ": 40,
+                "AB": 9, "AC": 40, "AD": 23, "AE": 40, "AF": 6, "AG": 38, "AH": 8, "AI": 7, "AJ": 8,
+                "AK": 40, "AL": 40, "AM": 1, "AN": 39, "AO": 12, "AP": 40, "AQ": 29, "AR": 40,
+                "AS": 229, "AT": 40, "AU": 40, "AV": 80, "AW": 40, "AX": 40, "AY": 40, "AZ": 40,
                 "BA": 40, "BB": 40, "BC": 110, "BD": 40, "BE": 68, "BF": 40, "BG": 111, "BH": 40,
-                "BI": 40, "BJ": 45, "BK": 76, "BL": 39, "BM": 213, "BN": 45, "BO": 39, "BP": 48,
+                "BI": 40, "BJ": 45, "BK": 76, "BL": 39, "BM": 213, "BN": 44, "BO": 39, "BP": 48,
                 "BQ": 64, "BS": 2, "BT": 16, "BU": 22}
 
 

@@ -22,7 +22,7 @@ once their split count is known, against the SMs that run them.
   (``_many_one_tile_splits``).
 - A one-warp program of one tile takes the fewest stages (``_one_tile_stages``).
 - Four-warp fp8 programs of large tiles, or of one tile that gathers several pages, load them
-  straight to registers (``_direct_fp8_loads``).
+  straight to registers where that takes no more waves (``_direct_fp8_loads``).
 - Four-warp programs of one tile inside a page, no more than the SMs, take two stages
   (``_lone_tile_stages``).
 """
@@ -116,7 +116,7 @@ def fit_programs_to_sms(config: KernelConfig, shape: ProblemShape, family: str,
     config = _spread_warps(_two_tile_programs(config, shape), shape, device)
     config = _many_one_tile_splits(_programs_short_of_warps(config, shape, device), shape, device)
     config = _paired_fp8_warps(_one_tile_stages(config, shape), shape, device)
-    config = _lone_tile_stages(_direct_fp8_loads(config, shape), shape, device)
+    config = _lone_tile_stages(_direct_fp8_loads(config, shape, device), shape, device)
     return _few_staged_eight_warp_tiles(config, shape, device)
 
 
@@ -383,7 +383,7 @@ def _one_tile_stages(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
     return dataclasses.replace(config, num_stages=stages)
 
 
-def _direct_fp8_loads(config: KernelConfig, shape: ProblemShape) -> KernelConfig:
+def _direct_fp8_loads(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
     """Four-warp programs of an fp8 cache whose K tile holds at least DIRECT_MIN_TILE_ELEMENTS load
     it straight to registers (one stage), where a pipeline would stage it through shared memory and
     convert it from there: for such a tile that round trip costs more than the prefetch saves. A
@@ -391,7 +391,10 @@ def _direct_fp8_loads(config: KernelConfig, shape: ProblemShape) -> KernelConfig
     than DIRECT_MAX_CHAIN_TILES of them. A program of one tile that gathers several pages has
     nothing to prefetch: it loads the tile straight to registers from ONE_TILE_DIRECT_MIN_ELEMENTS
     (a 32-token tile at D = 128; at D = 64 the staged tile measured faster). One-token pages keep
-    the pipeline, as in ``_one_tile_stages``."""
+    the pipeline, as in ``_one_tile_stages``. Neither loads straight to registers where that
+    kernel's registers fit fewer programs on an SM than the staged one's and its programs then take
+    more waves (the one-split kernel of a 64 x 256 tile for one query row a KV head): each wave
+    runs a program's whole chain of tiles."""
     elements = config.block_n * shape.block_d
     if shape.kv_dtype.itemsize != 1 or config.num_warps < 4:
         return config
@@ -402,7 +405,16 @@ def _direct_fp8_loads(config: KernelConfig, shape: ProblemShape) -> KernelConfig
         return config
     if elements > REGISTER_BOUND_TILE_ELEMENTS and chain > DIRECT_MAX_CHAIN_TILES:
         return config
-    return dataclasses.replace(config, num_stages=1)
+    direct = dataclasses.replace(config, num_stages=1)
+    programs = shape.programs(config.block_m) * config.num_kv_splits
+    if _waves(programs, direct, shape, device) > _waves(programs, config, shape, device):
+        return config
+    return direct
+
+
+def _waves(programs: int, config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> int:
+    """The waves ``programs`` programs of ``config`` take on ``device``'s SMs."""
+    return -(-programs // (resident_programs_per_sm(config, shape, device) * device.sm_count))
 
 
 def _lone_tile_stages(config: KernelConfig, shape: ProblemShape, device: DeviceProperties) -> KernelConfig:
