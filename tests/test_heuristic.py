@@ -2164,7 +2164,9 @@ FRACTION_MARGIN = 0.03
 # warp a scheduler; 8 and 16 timed); scripts/model_scores.py --untimed lists them. Eleven sources
 # hold 13 more: picks the model moved to configs the H200 has not timed yet, merged on same-run
 # A/Bs on an H100 (reports/nvidia-h200/2026-12-06/configs_fortyfifth_merged_untimed.csv lists
-# them; sweep it, add_timings.py --src-from it, and raise these counts back). A measured config stands for what it
+# them; sweep it, add_timings.py --src-from it, and raise these counts back). AG, AN and BN hold
+# one more each and AS two: programs.py's _direct_fp8_loads moved them to configs not yet timed
+# (reports/nvidia-h200/2026-12-06/configs_fiftythird_fp8_direct_waves.csv). A measured config stands for what it
 # runs as (``fit_config``). Most sources also hold same-run re-timings of picks a later model moved there
 # (scripts/model_scores.py --untimed, scripts/sweep_configs.py --configs), which compare with the
 # source's own best across two runs.
