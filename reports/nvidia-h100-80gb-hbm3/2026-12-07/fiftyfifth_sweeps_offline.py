@@ -86,3 +86,16 @@ for flag, g in out.groupby("ragged"):
     print(f"{'ragged' if flag else 'equal lengths'}: " + split_classes(g.ratio, ("the count", "half")))
 print("half faster by 5% or more:")
 print(out[out.ratio <= 1 / 1.05].sort_values("ratio").to_string(index=False))
+
+print("\n== the H200 timings' pairs of the same class (tests/data/h200_timings.csv.xz) ==")
+print("equal lengths, 16-bit D = 64, 32-token one-warp five-stage tiles timed at two splits and one")
+pairs = []
+for (src, name), (shape, t) in MS.load_timings().items():
+    if shape.head_dim != 64 or shape.kv_dtype.itemsize != 2 or shape.kv_len_spread >= SP.RAGGED_SPREAD:
+        continue
+    for c, two in t.items():
+        if c[0] == 32 and c[2] == 2 and c[3] == 1 and c[4] == 5 and (32, c[1], 1, 1, 5) in t:
+            pairs.append((shape.programs(c[1]) / dev.sm_count, math.ceil(shape.max_kv_len / 32), src, name,
+                          two / t[(32, c[1], 1, 1, 5)]))
+for per_sm, tiles, src, name, ratio in sorted(pairs):
+    print(f"{src:<3} {name:<40} programs an SM {per_sm:5.2f} tiles unsplit {tiles:5d} two/one measured {ratio:.3f}")
